@@ -1,0 +1,7 @@
+"""`python -m labavg` runs the command line (mpiexec starts ranks this way)."""
+
+import sys
+
+from labavg.cli import main
+
+sys.exit(main())

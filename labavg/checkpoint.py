@@ -1,0 +1,99 @@
+"""Atomic checkpoints that every rank can resume from.
+
+Layout: RUN_DIR/checkpoints/STEP/rankR.pt (one file per rank: ranks share the averaged
+model but each keeps its own optimizer state, e.g. NG-SGD's Fisher estimates) and
+RUN_DIR/checkpoints/latest.json, written last by rank 0 once every rank's file is on disk.
+A crash at any moment leaves `latest.json` naming a complete set of files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from labavg.errors import UserError
+
+MANIFEST = "latest.json"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file, fsync and rename: all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Text version of atomic_write_bytes."""
+    atomic_write_bytes(path, text.encode())
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """Where a run keeps its checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
+    """Save one rank's state for `step` (not yet visible to resume: see commit_checkpoint)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    path = checkpoint_dir(run_dir) / f"{step:09d}" / f"rank{rank}.pt"
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def commit_checkpoint(run_dir: Path, step: int, size: int) -> Path:
+    """Point latest.json at `step` (call once all ranks saved) and drop older checkpoints."""
+    root = checkpoint_dir(run_dir)
+    step_dir = root / f"{step:09d}"
+    missing = [r for r in range(size) if not (step_dir / f"rank{r}.pt").is_file()]
+    if missing:
+        raise RuntimeError(f"checkpoint {step_dir} lacks ranks {missing}")
+    atomic_write_text(root / MANIFEST, json.dumps({"step": step, "size": size}) + "\n")
+    for old in root.iterdir():
+        if old.is_dir() and old.name != step_dir.name and old.name.isdigit():
+            shutil.rmtree(old, ignore_errors=True)
+    return step_dir
+
+
+def latest_step(run_dir: Path) -> tuple[int, int] | None:
+    """(step, size) of the newest complete checkpoint, or None if there is none."""
+    manifest = checkpoint_dir(run_dir) / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        info = json.loads(manifest.read_text())
+        return int(info["step"]), int(info["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{manifest}: not a labavg checkpoint manifest ({exc})") from None
+
+
+def load_rank_state(run_dir: Path, step: int, rank: int, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load one rank's state. Only tensors and plain values are accepted (weights_only)."""
+    path = checkpoint_dir(run_dir) / f"{step:09d}" / f"rank{rank}.pt"
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint file {path} is missing") from None
+    except Exception as exc:  # a corrupt or foreign file: torch raises several types
+        raise UserError(f"cannot read checkpoint {path}: {exc}") from None

@@ -1,0 +1,196 @@
+"""The `labavg` command line: a thin consumer of the library.
+
+    labavg corpus synth OUT_DIR      write the built-in synthetic corpus
+    labavg train [CONFIG.toml] ...   train (flags override the file)
+    labavg info RUN_DIR...           print run summaries as a table
+
+Bad input prints one message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from labavg.errors import UserError
+
+# CLI flag -> dotted TrainConfig key. Only flags the user gave override the config file.
+TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--data": ("data.data", str, "Kaldi data directory or feature rspecifier"),
+    "--ali": ("data.ali", str, "rspecifier of pdf-id alignments (ark:..., scp:..., ark:...|)"),
+    "--ali-dir": ("data.ali_dir", str, "alignment directory with ali.*.gz and final.mdl"),
+    "--textgrid": ("data.textgrid", str, "TextGrid file or directory of <utt>.TextGrid phone tiers"),
+    "--out": ("out", str, "run directory to write"),
+    "--ranks": ("ranks", int, "number of workers (num_jobs)"),
+    "--backend": ("backend", str, "inproc | mpi | torch"),
+    "--average-every": ("average_every", int, "minibatches between averaging rounds (K)"),
+    "--average-every-frames": ("average_every_frames", int, "frames between averaging rounds"),
+    "--optimizer": ("optimizer", str, "sgd | ngsgd"),
+    "--lr": ("lr", float, "initial per-frame learning rate of one job"),
+    "--final-lr": ("final_lr", float, "final learning rate (default 0.01 x --lr)"),
+    "--lr-scaling": ("lr_scaling", str, "none | linear (x num_jobs)"),
+    "--schedule": ("schedule", str, "exponential | newbob"),
+    "--pretrain": ("pretrain", str, "none | rbm"),
+    "--minibatch": ("minibatch", int, "frames per minibatch"),
+    "--epochs": ("epochs", int, "passes over the training data"),
+    "--hidden-layers": ("model.hidden_layers", int, "number of hidden layers"),
+    "--hidden-dim": ("model.hidden_dim", int, "units per hidden layer"),
+    "--nonlinearity": ("model.nonlinearity", str, "sigmoid | tanh | relu | pnorm"),
+    "--context": ("data.context", int, "frames of context on each side (splice)"),
+    "--seed": ("seed", int, "random seed"),
+    "--device": ("device", str, "cpu | cuda | cuda:N | auto"),
+    "--threads": ("threads", int, "torch threads per process"),
+    "--checkpoint-every": ("checkpoint_every", int, "averaging rounds between checkpoints"),
+}
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a DNN with periodic model averaging",
+        description="Train a DNN acoustic model on N workers with periodic model averaging. "
+        "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
+    )
+    p.add_argument("config", nargs="?", help="TOML configuration file")
+    for flag, (_, kind, text) in TRAIN_FLAGS.items():
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument("--hosts", help="MPI host list (h1,h2 or h1:4,h2:4) when starting mpiexec")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `labavg` command."""
+    parser = argparse.ArgumentParser(prog="labavg", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    corpus = sub.add_parser("corpus", help="built-in synthetic speech corpus")
+    corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
+    synth = corpus_sub.add_parser(
+        "synth", help="write a synthetic Kaldi data directory",
+        description="Synthesise speech (source-filter, >= 40 phones, many speakers) and write a "
+        "complete Kaldi data directory with 40-dim fbank features and pdf alignments.",
+    )
+    synth.add_argument("out_dir", help="directory to create")
+    synth.add_argument("--hours", type=float, default=1.0, help="hours of speech (default 1.0)")
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    synth.set_defaults(func=cmd_synth)
+
+    _add_train_parser(sub)
+
+    info = sub.add_parser("info", help="summarise run directories",
+                          description="Print the summaries of finished runs as a table.")
+    info.add_argument("run_dirs", nargs="+", help="run directories")
+    info.add_argument("--json", action="store_true", help="print summary.json instead")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from labavg.data.synth import synthesize
+
+    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite)
+    print(f"wrote {args.out_dir}: {info}")
+    return 0
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    import tomllib
+
+    overrides = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw  # a bare word: take it as a string
+    return overrides
+
+
+def train_config(args: argparse.Namespace):
+    """Defaults, then the TOML file (or the resumed run's config), then the flags."""
+    from labavg.config import TrainConfig, load_config, validate, with_overrides
+    from labavg.runs import load_config_of
+
+    if args.resume:
+        cfg = load_config_of(Path(args.resume))
+    elif args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = TrainConfig()
+    overrides = {key: getattr(args, flag[2:].replace("-", "_"))
+                 for flag, (key, _, _) in TRAIN_FLAGS.items()
+                 if getattr(args, flag[2:].replace("-", "_")) is not None}
+    overrides.update(_parse_set(args.set))
+    if args.resume:
+        overrides["out"] = args.resume
+    return validate(with_overrides(cfg, overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from labavg.comm.world import detect_launcher, mpiexec_command
+    from labavg.runs import format_table, run_training
+
+    cfg = train_config(args)
+    if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
+        # Start mpiexec ourselves; the ranks see the launcher and train.
+        command = mpiexec_command(cfg.ranks, ["-m", "labavg", *sys.argv[1:]], hosts=args.hosts)
+        return subprocess.call(command)
+    if cfg.backend == "torch" and detect_launcher() != "torch":
+        raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
+    summary = run_training(cfg, resume=bool(args.resume), progress=not args.no_progress)
+    if summary is not None:
+        print(format_table([{"run": cfg.out, **summary}]))
+        print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from labavg.runs import format_table, read_summary
+
+    summaries = [{"run": d, **read_summary(Path(d))} for d in args.run_dirs]
+    if args.json:
+        print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
+    else:
+        print(format_table(summaries))
+    return 0
+
+
+def _user_error(exc: BaseException) -> UserError | None:
+    """The UserError behind `exc`, also when a simulated worker raised it."""
+    while exc is not None:
+        if isinstance(exc, UserError):
+            return exc
+        exc = getattr(exc, "exc", None) or exc.__cause__
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("labavg: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        user = _user_error(exc)
+        if user is None:
+            raise
+        print(f"labavg: error: {user}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Communication between ranks. The only package that imports mpi4py or torch.distributed."""

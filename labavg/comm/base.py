@@ -1,0 +1,28 @@
+"""The communicator seam: everything training needs from the other ranks."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Communicator(Protocol):
+    """One rank's view of the group of workers.
+
+    Buffers are flat (1-D), contiguous float tensors, modified in place. With one rank every
+    collective is a no-op, so single-worker code pays nothing.
+    """
+
+    rank: int
+    size: int
+    local_rank: int  # rank among the processes on this host, for GPU binding
+
+    def allreduce_mean(self, buf: torch.Tensor) -> None:
+        """Replace `buf` on every rank with the element-wise mean over ranks."""
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        """Copy `root`'s `buf` into every rank's `buf`."""
+
+    def barrier(self) -> None:
+        """Wait until every rank has arrived."""

@@ -1,0 +1,120 @@
+"""The MPI backend: mpi4py over MPICH, one process per rank, started by mpiexec.
+
+mpi4py is imported in the constructor, not at module import, so that merely importing this
+module (for type hints, docs) does not initialise MPI. Start ranks with the command from
+`labavg.comm.world.mpiexec_command`.
+
+The mean is an in-place MPI_Allreduce(SUM) followed by a division by the size, as in Su & Chen
+(2015) model averaging; `labavg.comm.inproc` reproduces MPICH's summation order so that both
+backends give bitwise the same parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from labavg.comm.world import check_buffer, check_root
+
+
+def query_cuda_aware(mpi: Any) -> bool:
+    """Whether this MPI library can read and write CUDA memory (MPI 4.1 / MPIX query).
+
+    False when the library cannot say: staging through host memory is always correct.
+    """
+    query = getattr(mpi, "Query_cuda_support", None)
+    if query is None:
+        return False
+    try:
+        return bool(query())
+    except Exception:  # noqa: BLE001 - an MPI without the query is simply not CUDA-aware
+        return False
+
+
+class MpiCommunicator:
+    """This process's rank in an MPI communicator (COMM_WORLD unless one is given)."""
+
+    def __init__(self, comm: Any = None, *, cuda_aware: bool | None = None):
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self._comm.Get_rank()
+        self.size = self._comm.Get_size()
+        self.local_rank = _local_rank(self._comm, MPI)
+        self.cuda_aware = query_cuda_aware(MPI) if cuda_aware is None else cuda_aware
+        self._staging: torch.Tensor | None = None
+
+    def allreduce_mean(self, buf: torch.Tensor) -> None:
+        """Replace `buf` on every rank with the element-wise mean over ranks."""
+        check_buffer(buf)
+        if self.size == 1:
+            return
+        with self._exposed(buf, writes_back=True) as view:
+            self._comm.Allreduce(self._mpi.IN_PLACE, view, op=self._mpi.SUM)
+        buf.div_(self.size)
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        """Copy `root`'s `buf` into every rank's `buf`."""
+        check_buffer(buf)
+        check_root(root, self.size)
+        if self.size == 1:
+            return
+        with self._exposed(buf, writes_back=self.rank != root) as view:
+            self._comm.Bcast(view, root=root)
+
+    def barrier(self) -> None:
+        """Wait until every rank has arrived."""
+        if self.size > 1:
+            self._comm.Barrier()
+
+    def close(self) -> None:
+        """Drop the staging buffer; mpi4py finalizes MPI itself at interpreter exit."""
+        self._staging = None
+
+    def _exposed(self, buf: torch.Tensor, *, writes_back: bool) -> "_Exposed":
+        """A context giving MPI a view of `buf`'s memory (staged through pinned host memory if needed)."""
+        if buf.device.type == "cpu":
+            return _Exposed(buf.detach().numpy())
+        if buf.device.type == "cuda" and self.cuda_aware:
+            # MPI does not know torch's streams: the kernels writing `buf` must be done.
+            torch.cuda.current_stream(buf.device).synchronize()
+            return _Exposed(buf.detach())
+        host = self._staging_for(buf)
+        host.copy_(buf)
+        return _Exposed(host.numpy(), copy_back=(host, buf) if writes_back else None)
+
+    def _staging_for(self, buf: torch.Tensor) -> torch.Tensor:
+        """A host buffer like `buf`, pinned for fast device copies, reused between calls."""
+        staging = self._staging
+        if staging is None or staging.numel() != buf.numel() or staging.dtype != buf.dtype:
+            pin = buf.device.type == "cuda"
+            staging = torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=pin)
+            self._staging = staging
+        return staging
+
+
+class _Exposed:
+    """The object handed to mpi4py, and the copy back to the device when staged."""
+
+    def __init__(self, view: Any, copy_back: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.view = view
+        self.copy_back = copy_back
+
+    def __enter__(self) -> Any:
+        return self.view
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and self.copy_back is not None:
+            host, device_buf = self.copy_back
+            device_buf.copy_(host)
+
+
+def _local_rank(comm: Any, mpi: Any) -> int:
+    """Rank among the processes sharing this node's memory (for binding a GPU)."""
+    node = comm.Split_type(mpi.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()

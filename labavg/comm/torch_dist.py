@@ -1,0 +1,73 @@
+"""The torch.distributed backend: one process per rank, started by torchrun (env:// rendezvous).
+
+gloo for CPU buffers, nccl for CUDA ones. torch.distributed is imported in the constructor so
+that importing this module does not pull it in. The mean is an all_reduce(SUM) followed by the
+same in-place division as the other backends (ReduceOp.AVG exists only for nccl).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from labavg.comm.world import check_buffer, check_root
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TorchDistCommunicator:
+    """This process's rank in torch.distributed's default process group.
+
+    Initialises the group from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (set by torchrun) unless
+    it already exists. `timeout_s` bounds every collective, so a dead rank ends the run with an
+    error instead of a hang.
+    """
+
+    def __init__(self, device: torch.device, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.device = torch.device(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(
+                backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
+            )
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    def allreduce_mean(self, buf: torch.Tensor) -> None:
+        """Replace `buf` on every rank with the element-wise mean over ranks."""
+        check_buffer(buf)
+        if self.size == 1:
+            return
+        self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM)
+        buf.div_(self.size)
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        """Copy `root`'s `buf` into every rank's `buf`."""
+        check_buffer(buf)
+        check_root(root, self.size)
+        if self.size > 1:
+            self._dist.broadcast(buf, src=root)
+
+    def barrier(self) -> None:
+        """Wait until every rank has arrived."""
+        if self.size == 1:
+            return
+        if self.device.type == "cuda":
+            self._dist.barrier(device_ids=[self.device.index or 0])
+        else:
+            self._dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group if this communicator created it (torch warns otherwise)."""
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+        self._owns_group = False

@@ -1,0 +1,1 @@
+"""Reading Kaldi data, the built-in synthetic corpus, and the frame pipeline."""

@@ -1,0 +1,119 @@
+"""Typed events the trainer yields; one JSON object per line in RUN_DIR/events.jsonl.
+
+Every event has `type` and `rank`. The fields of each type are the dataclasses below
+(docs/events.md lists them). Times are seconds, losses are mean cross-entropy per frame in
+nats, accuracies are fractions in [0, 1], `step` counts minibatches from the start of the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of all events."""
+
+    type: ClassVar[str] = "event"
+    rank: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with the event's `type` first."""
+        return {"type": self.type, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    """Once per rank, before training: what is about to run."""
+
+    type: ClassVar[str] = "run_started"
+    size: int
+    device: str
+    num_params: int
+    num_pdfs: int
+    input_dim: int
+    steps_per_epoch: int
+    train_utterances: int
+    cv_utterances: int
+    average_every: int
+    effective_lr: float
+    start_step: int
+
+
+@dataclass(frozen=True)
+class MinibatchDone(Event):
+    """One optimizer step on one rank."""
+
+    type: ClassVar[str] = "minibatch"
+    epoch: int
+    step: int
+    loss: float
+    frame_accuracy: float
+    frames: int
+    lr: float
+    applied: bool
+    max_change_scale: float
+
+
+@dataclass(frozen=True)
+class Averaged(Event):
+    """One averaging round on one rank; `divergence` was measured just before averaging."""
+
+    type: ClassVar[str] = "average"
+    round: int
+    step: int
+    divergence: float
+    compute_seconds: float  # since the previous round
+    comm_seconds: float
+    frames_per_second: float  # this rank's training frames / compute seconds in the round
+
+
+@dataclass(frozen=True)
+class EpochDone(Event):
+    """End of an epoch: cross-validation of the (averaged) model."""
+
+    type: ClassVar[str] = "epoch"
+    epoch: int
+    step: int
+    train_loss: float
+    train_frame_accuracy: float
+    cv_loss: float
+    cv_frame_accuracy: float
+    lr: float
+    accepted: bool  # False when Newbob rejected the epoch and restored the previous model
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    """A checkpoint all ranks can resume from."""
+
+    type: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Message(Event):
+    """Something worth telling the user (a skipped update, an early stop)."""
+
+    type: ClassVar[str] = "message"
+    step: int
+    text: str
+
+
+@dataclass(frozen=True)
+class RunFinished(Event):
+    """Once per rank, after training."""
+
+    type: ClassVar[str] = "run_finished"
+    step: int
+    wall_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    averaging_rounds: int
+    frames_trained: int  # over all ranks
+    cv_loss: float
+    cv_frame_accuracy: float

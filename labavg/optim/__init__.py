@@ -1,0 +1,1 @@
+"""Optimizers: plain SGD and Kaldi's natural-gradient SGD, both with Kaldi's max-change."""

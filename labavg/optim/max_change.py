@@ -1,0 +1,180 @@
+"""Kaldi's limits on the size of one update, and the per-frame taps they need.
+
+Two limits, applied in this order (docs/ngsgd.md says why these variants):
+
+1. per affine layer, nnet2's `max_change_per_sample` (AffineComponentPreconditionedOnline::
+   GetScalingFactor in src/nnet2/nnet-component.cc, kept as NaturalGradientAffineComponent::
+   GetScalingFactor in early nnet3): the update of a layer is the sum over frames i of the
+   rank-one terms lr * s * dy_i x_i^T, whose Frobenius norms are lr * s * |dy_i| |x_i|
+   (x_i with the 1 appended for the bias). Their sum, an upper bound on the norm of the
+   layer's update, is limited to max_change_per_sample * N for a minibatch of N frames;
+2. over the whole model, nnet3's `max_param_change` (UpdateNnetWithMaxChange in
+   src/nnet3/nnet-utils.cc): the whole update is scaled down if its 2-norm exceeds it, and an
+   update whose norm is not finite is not applied at all ("Infinite parameter change, will
+   not apply").
+
+A value of 0 switches a limit off, as in Kaldi.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from labavg.optim.base import StepStats
+
+
+def per_sample_scale(
+    in_row_sq: torch.Tensor,
+    out_row_sq: torch.Tensor,
+    lr_scale: torch.Tensor | float,
+    max_change_per_sample: float,
+) -> torch.Tensor:
+    """nnet2's GetScalingFactor: the factor (<= 1) that keeps one layer's update in bounds.
+
+    `in_row_sq` / `out_row_sq` are the squared 2-norms of each frame's (preconditioned) input
+    and output derivative; `lr_scale` is the learning rate times any scale the update gets.
+    Returns a 0-d tensor on the rows' device (no host sync); it is NaN when the rows are.
+    """
+    ones = torch.ones((), dtype=in_row_sq.dtype, device=in_row_sq.device)
+    if max_change_per_sample <= 0.0:
+        return ones
+    # tot_change_norm = lr * sum_i sqrt(|x_i|^2 |dy_i|^2), max_change_norm = mcps * N.
+    tot_change_norm = torch.sqrt(in_row_sq * out_row_sq).sum() * lr_scale
+    max_change_norm = max_change_per_sample * in_row_sq.shape[0]
+    factor = max_change_norm / tot_change_norm
+    # A NaN/inf total gives a NaN/0 factor, so the non-finite update is skipped later.
+    return torch.where(tot_change_norm <= max_change_norm, ones, factor)
+
+
+@dataclass
+class LayerUpdate:
+    """The deltas for one layer (already times -lr and that layer's max-change factor)."""
+
+    params: Sequence[torch.Tensor]
+    deltas: Sequence[torch.Tensor]
+    factor: torch.Tensor | float = 1.0
+
+
+def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> StepStats:
+    """Add the deltas to the parameters in place, after nnet3's whole-model max_param_change.
+
+    Nothing is changed when the update is not finite. The returned `scale` is the smallest
+    total factor any layer's update was shrunk by (per-layer factor times the global one).
+    Parameters are updated with `add_` under no_grad, so views into a flat buffer stay views.
+    """
+    if not updates:
+        return StepStats(applied=True, scale=1.0)
+    sq_norms = [d.detach().square().sum(dtype=torch.float64) for u in updates for d in u.deltas]
+    factors = [torch.as_tensor(u.factor, dtype=torch.float64).reshape(()) for u in updates]
+    device = sq_norms[0].device if sq_norms else torch.device("cpu")
+    summary = torch.stack(
+        [torch.stack(sq_norms).sum()] + [f.to(device) for f in factors]
+    ).tolist()  # the only host sync of a step
+    param_delta = math.sqrt(summary[0]) if summary[0] >= 0 else math.nan
+    if not math.isfinite(param_delta) or not all(math.isfinite(f) for f in summary[1:]):
+        return StepStats(applied=False, scale=0.0)
+    global_scale = 1.0
+    if max_param_change > 0.0 and param_delta > max_param_change:
+        global_scale = max_param_change / param_delta
+    with torch.no_grad():
+        for u in updates:
+            for p, d in zip(u.params, u.deltas):
+                p.add_(d.to(p.dtype), alpha=global_scale)
+    return StepStats(applied=True, scale=min(summary[1:], default=1.0) * global_scale)
+
+
+class LinearTap:
+    """Records, per `nn.Linear`, each forward input X and the derivative dY of the loss
+    w.r.t. its output, which nnet2's per-frame max-change and NG-SGD's preconditioning need.
+
+    With `skip_weight_grad` the layer's weight and bias do not require grad while it runs,
+    so autograd does not spend a matmul on dW that NG-SGD would throw away (the update is
+    built from the preconditioned X and dY instead); the first layer's output then becomes
+    a leaf that requires grad so its dY is still computed. Captures only when grad is enabled.
+    """
+
+    def __init__(self, layers: Sequence[nn.Linear], *, skip_weight_grad: bool = False) -> None:
+        self.layers = list(layers)
+        self.skip_weight_grad = skip_weight_grad
+        self._records: list[list[list[torch.Tensor | None]]] = [[] for _ in self.layers]
+        self._toggled: dict[int, list[torch.Tensor]] = {}
+        self._handles = []
+        for index, layer in enumerate(self.layers):
+            if skip_weight_grad:
+                self._handles.append(layer.register_forward_pre_hook(self._pre_hook))
+            self._handles.append(
+                layer.register_forward_hook(self._make_hook(index), always_call=True)
+            )
+
+    def _pre_hook(self, layer: nn.Module, inputs: tuple) -> None:
+        if torch.is_grad_enabled():
+            toggled = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+            for p in toggled:
+                p.requires_grad_(False)
+            self._toggled[id(layer)] = toggled
+
+    def _make_hook(self, index: int):
+        def hook(layer: nn.Module, inputs: tuple, output: torch.Tensor):
+            for p in self._toggled.pop(id(layer), []):
+                p.requires_grad_(True)
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return None
+            if not output.requires_grad:
+                if not self.skip_weight_grad:
+                    return None
+                output = output.detach().requires_grad_(True)
+            record: list[torch.Tensor | None] = [inputs[0].detach(), None]
+            self._records[index].append(record)
+
+            def keep_grad(grad: torch.Tensor) -> None:
+                record[1] = grad if record[1] is None else record[1] + grad
+
+            output.register_hook(keep_grad)
+            return output
+
+        return hook
+
+    def take(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(X, dY) of layer `index` as 2-D matrices over all frames backpropagated since the
+        last `clear`, or None when none were."""
+        done = [r for r in self._records[index] if r[1] is not None]
+        if not done:
+            return None
+        dim_in, dim_out = self.layers[index].in_features, self.layers[index].out_features
+        xs = [r[0].reshape(-1, dim_in) for r in done]
+        dys = [r[1].reshape(-1, dim_out) for r in done]
+        if len(done) == 1:
+            return xs[0], dys[0]
+        return torch.cat(xs), torch.cat(dys)
+
+    def clear(self) -> None:
+        """Forget all records (the step has used them)."""
+        self._records = [[] for _ in self.layers]
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+
+
+def find_linears(model: nn.Module) -> list[nn.Linear]:
+    """Every `nn.Linear` in `model`, in module order, each once."""
+    seen: set[int] = set()
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
+
+
+def row_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """Squared 2-norm of every row."""
+    return torch.linalg.vector_norm(x, dim=1).square()

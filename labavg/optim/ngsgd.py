@@ -1,0 +1,458 @@
+"""Kaldi's online natural-gradient SGD (NG-SGD) for every `nn.Linear` of a model.
+
+Follows src/nnet3/natural-gradient-online.{h,cc} (class OnlineNaturalGradient, current Kaldi
+master) and the paper: D. Povey, X. Zhang, S. Khudanpur, "Parallel training of DNNs with
+Natural Gradient and Parameter Averaging", arXiv:1410.7455, Sec. 3.5 and Appendix C. Equation
+tags like (eqn:Zt) are those of the long comment in natural-gradient-online.h.
+
+For each affine layer two Fisher-matrix factors are estimated online, one for the inputs X
+(with a 1 appended for the bias) and one for the output derivatives dY, each of the form
+
+    F_t = R_t^T D_t R_t + rho_t I,     R_t: R x D with orthonormal rows,
+
+and the update is  -lr * gamma_in * gamma_out * dY_hat^T X_hat  (nnet2's
+AffineComponentPreconditionedOnline::Update, where Kaldi adds because its derivative is of an
+objective to maximise). Big (N x D) products run on the model's device in its dtype; the
+small R x R algebra (Z_t, its eigendecomposition, A_t, re-orthogonalisation) runs on the CPU
+in float64, as Kaldi does it on the CPU (in double for Z_t).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labavg.optim.base import StepStats
+from labavg.optim.max_change import (
+    LayerUpdate,
+    LinearTap,
+    apply_updates,
+    find_linears,
+    per_sample_scale,
+    row_sq_norms,
+)
+
+_F64 = torch.float64
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class NGConfig:
+    """Settings of OnlineNaturalGradient (defaults: nnet2/nnet3 NaturalGradientAffineComponent)."""
+
+    rank_in: int = 20
+    rank_out: int = 80
+    update_period: int = 4
+    num_samples_history: float = 2000.0
+    alpha: float = 4.0
+    epsilon: float = 1.0e-10
+    delta: float = 5.0e-4
+    max_eta: float = 0.9  # Eta(): "don't let eta approach 1 too closely"
+    num_initial_updates: int = 10  # Updating(): hard-coded 10 in Kaldi
+    condition_threshold: float = 1.0e6  # PreconditionDirectionsInternal
+    orthogonality_threshold: float = 1.0e-3  # ReorthogonalizeRt1
+
+    def __post_init__(self) -> None:
+        # The same plausibility checks as OnlineNaturalGradient::InitDefault.
+        checks = {
+            "rank_in": self.rank_in > 0,
+            "rank_out": self.rank_out > 0,
+            "update_period": self.update_period > 0,
+            "num_samples_history": 0.0 < self.num_samples_history <= 1.0e6,
+            "alpha": self.alpha >= 0.0,
+            "epsilon": 0.0 < self.epsilon <= 1.0e-5,
+            "delta": 0.0 < self.delta <= 1.0e-2,
+            "max_eta": 0.0 < self.max_eta < 1.0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"bad NGConfig value(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}")
+
+
+class FisherState(NamedTuple):
+    """One Fisher estimate: W_t = E_t^{1/2} R_t (device), D_t's diagonal d (CPU float64),
+    rho_t, and t, the number of minibatches preconditioned (0: not yet initialised)."""
+
+    W: torch.Tensor | None
+    d: torch.Tensor | None
+    rho: float
+    t: int
+
+
+class Preconditioned(NamedTuple):
+    """Output of `precondition_directions`: X_hat (not yet times `scale`), gamma_t as a 0-d
+    tensor, the squared row norms of X_hat, and the estimate to commit if the step is kept."""
+
+    x_hat: torch.Tensor
+    scale: torch.Tensor
+    row_sq: torch.Tensor
+    state: FisherState
+
+
+def eta(num_rows: int, cfg: NGConfig) -> float:
+    """Forgetting rate eta = 1 - exp(-N / num_samples_history), capped (Kaldi's Eta())."""
+    return min(1.0 - math.exp(-num_rows / cfg.num_samples_history), cfg.max_eta)
+
+
+def is_updating(t: int, cfg: NGConfig) -> bool:
+    """Kaldi's Updating(): every minibatch at first, then every update_period-th."""
+    return t <= cfg.num_initial_updates or (t - cfg.num_initial_updates) % cfg.update_period == 0
+
+
+def compute_et(d: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ComputeEt: e_ii = 1 / (beta / d_ii + 1) (eqn:tii); returns e, e^{1/2}, e^{-1/2}."""
+    e = 1.0 / (beta / d + 1.0)
+    sqrt_e = e.sqrt()
+    return e, sqrt_e, 1.0 / sqrt_e
+
+
+def compute_beta(rho: float, d: torch.Tensor, dim: int, alpha: float) -> float:
+    """beta_t = rho_t (1 + alpha) + alpha/D tr(D_t)  (eqn:betat2)."""
+    return rho * (1.0 + alpha) + alpha * float(d.sum()) / dim
+
+
+def compute_zt(
+    num_rows: int,
+    rho: float,
+    d: torch.Tensor,
+    inv_sqrt_e: torch.Tensor,
+    K: torch.Tensor,
+    L: torch.Tensor,
+    eta_t: float,
+) -> torch.Tensor:
+    """ComputeZt (eqn:Zt), in float64: Z_t = Y_t Y_t^T expressed through K_t and L_t."""
+    d_rho = d + rho  # diag(D_t + rho_t I)
+    eta_n = eta_t / num_rows
+    eta1 = 1.0 - eta_t
+    K = 0.5 * (K + K.T)
+    L = 0.5 * (L + L.T)
+    outer = inv_sqrt_e[:, None] * inv_sqrt_e[None, :]
+    EKE = K * outer  # E^{-1/2} K E^{-1/2}
+    ELE = L * outer  # E^{-1/2} L E^{-1/2}
+    Z = eta_n**2 * EKE + eta_n * eta1 * (ELE * d_rho[None, :] + d_rho[:, None] * ELE)
+    return Z + torch.diag(eta1**2 * d_rho**2)
+
+
+def init_orthonormal_special(rank: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """InitOrthonormalSpecial: orthonormal rows with no zero row or column (row r has
+    1/sqrt(n) at columns r, r + rank, r + 2 rank, ...)."""
+    cols = torch.arange(dim)
+    rows = cols % rank
+    counts = torch.bincount(rows, minlength=rank).to(_F64)
+    R = torch.zeros(rank, dim, dtype=_F64)
+    R[rows, cols] = counts[rows].rsqrt()
+    return R.to(device=device, dtype=dtype)
+
+
+def init_default(dim: int, rank: int, cfg: NGConfig, dtype: torch.dtype, device: torch.device) -> FisherState:
+    """InitDefault: rho = d_ii = epsilon, W = E^{1/2} R with e_ii = 1/(2 + (D+R) alpha / D)."""
+    e_tii = 1.0 / (2.0 + (dim + rank) * cfg.alpha / dim)
+    W = init_orthonormal_special(rank, dim, dtype, device) * math.sqrt(e_tii)
+    d = torch.full((rank,), cfg.epsilon, dtype=_F64)
+    return FisherState(W=W, d=d, rho=cfg.epsilon, t=0)
+
+
+def effective_rank(rank: int, dim: int) -> int:
+    """InitDefault: a rank >= D is cut to D - 1."""
+    return min(rank, dim - 1)
+
+
+def init_state(X0: torch.Tensor, rank: int, cfg: NGConfig) -> FisherState:
+    """Init(): a few power-method updates on the first minibatch from InitDefault's start
+    (3, or 1 if the minibatch has no more rows than the rank)."""
+    num_rows, dim = X0.shape
+    state = init_default(dim, rank, cfg, X0.dtype, X0.device)._replace(t=1)  # t=1: no recursion
+    num_init_iters = 1 if num_rows <= rank else 3
+    for _ in range(num_init_iters):
+        state = precondition_directions(X0, state, rank, cfg, need_output=False).state
+    return state._replace(t=0)
+
+
+def compute_wt1(
+    num_rows: int,
+    d: torch.Tensor,
+    d1: torch.Tensor,
+    rho: float,
+    rho1: float,
+    U: torch.Tensor,
+    sqrt_c: torch.Tensor,
+    inv_sqrt_e: torch.Tensor,
+    W: torch.Tensor,
+    J: torch.Tensor,
+    eta_t: float,
+    alpha: float,
+) -> torch.Tensor:
+    """ComputeWt1: W_{t+1} = A_t B_t with
+    A_t = (eta/N) E_{t+1}^{1/2} C_t^{-1/2} U_t^T E_t^{-1/2}   (R x R, float64 on the CPU),
+    B_t = J_t + (1-eta)/(eta/N) (D_t + rho_t I) W_t           (R x D, on the device)."""
+    dim = W.shape[1]
+    beta1 = compute_beta(rho1, d1, dim, alpha)
+    _, sqrt_e1, _ = compute_et(d1, beta1)
+    eta_n = eta_t / num_rows
+    w_coeff = (1.0 - eta_t) / eta_n * (d + rho)
+    B = torch.addcmul(J, w_coeff.to(W.device, W.dtype)[:, None], W)
+    A = eta_n * (sqrt_e1 / sqrt_c)[:, None] * U.T * inv_sqrt_e[None, :]
+    return A.to(W.device, W.dtype) @ B
+
+
+def reorthogonalize_rt1(d1: torch.Tensor, rho1: float, W1: torch.Tensor, cfg: NGConfig) -> torch.Tensor:
+    """ReorthogonalizeRt1: make R_{t+1} = E^{-1/2} W_{t+1} orthonormal again.
+
+    O = R R^T = C C^T (Cholesky); W <- (E^{1/2} C^{-1} E^{-1/2}) W, which leaves the first
+    (largest-eigenvalue) rows' directions alone. Falls back to Gram-Schmidt (QR here) when
+    Cholesky fails or C^{-1} is out of range, as Kaldi does.
+    """
+    rank, dim = W1.shape
+    beta1 = compute_beta(rho1, d1, dim, cfg.alpha)
+    _, sqrt_e1, inv_sqrt_e1 = compute_et(d1, beta1)
+    O = (W1 @ W1.T).to(_CPU, _F64) * (inv_sqrt_e1[:, None] * inv_sqrt_e1[None, :])
+    eye = torch.eye(rank, dtype=_F64)
+    if float((O - eye).abs().max()) <= cfg.orthogonality_threshold:  # O.IsUnit(threshold)
+        return W1
+    C, info = torch.linalg.cholesky_ex(O)
+    ok = int(info) == 0
+    if ok:
+        C_inv = torch.linalg.solve_triangular(C, eye, upper=False)
+        ok = bool(torch.isfinite(C_inv).all()) and float(C_inv.max()) < 100.0
+    if not ok:
+        Q, Rq = torch.linalg.qr(W1.to(_CPU, _F64).T)  # Gram-Schmidt of W's rows, in order
+        signs = torch.where(torch.diagonal(Rq) < 0, -1.0, 1.0).to(_F64)
+        R1 = (Q * signs[None, :]).T
+        return (sqrt_e1[:, None] * R1).to(W1.device, W1.dtype)
+    M = sqrt_e1[:, None] * C_inv * inv_sqrt_e1[None, :]
+    return M.to(W1.device, W1.dtype) @ W1
+
+
+def _update_fisher(
+    X: torch.Tensor,
+    H: torch.Tensor,
+    tr_X: float,
+    state: FisherState,
+    rank: int,
+    cfg: NGConfig,
+) -> FisherState:
+    """The updating half of PreconditionDirectionsInternal: the power-method step
+    Y = R T, Z = Y Y^T = U C U^T, R' = C^{-1/2} U^T Y, D' = C^{1/2} - rho' I."""
+    num_rows, dim = X.shape
+    W, d, rho = state.W, state.d, state.rho
+    eta_t = eta(num_rows, cfg)
+    J = H.T @ X  # J_t = H_t^T X_t  (R x D)
+    if num_rows > dim:
+        # L_t = W_t J_t^T and K_t = J_t J_t^T in one product (Kaldi's compute_lk_together).
+        LK = torch.cat([W, J]) @ J.T
+    else:
+        LK = torch.cat([H.T @ H, J @ J.T])  # L_t = H_t^T H_t, K_t = J_t J_t^T
+    LK = LK.to(_CPU, _F64)
+    if not (bool(torch.isfinite(LK).all()) and math.isfinite(tr_X)):
+        return state  # a NaN would poison the estimate for good; that step is skipped anyway
+    L, K = LK[:rank], LK[rank:]
+    beta = compute_beta(rho, d, dim, cfg.alpha)
+    _, _, inv_sqrt_e = compute_et(d, beta)
+    Z = compute_zt(num_rows, rho, d, inv_sqrt_e, K, L, eta_t)
+    # Z_t is proportional to the fourth power of the data: scale before the eigensolver.
+    z_scale = max(1.0, float(torch.trace(Z)))
+    c, U = torch.linalg.eigh(Z / z_scale)
+    c, U = c.flip(0) * z_scale, U.flip(1)  # SortSvd: largest first
+    must_reorthogonalize = bool(c[0] > cfg.condition_threshold * c[-1])
+    c_floor = (rho * (1.0 - eta_t)) ** 2
+    if bool((c < c_floor).any()):
+        must_reorthogonalize = True
+        c = c.clamp(min=c_floor)
+    sqrt_c = c.sqrt()
+    # (eqn:rhot1): rho_{t+1} = 1/(D-R) (eta/N tr(X X^T) + (1-eta)(D rho_t + tr D_t) - tr C^{1/2})
+    rho1 = (
+        eta_t / num_rows * tr_X + (1.0 - eta_t) * (dim * rho + float(d.sum())) - float(sqrt_c.sum())
+    ) / (dim - rank)
+    d1 = sqrt_c - rho1  # (eqn:dt1): D_{t+1} = C_t^{1/2} - rho_{t+1} I
+    floor_val = max(cfg.epsilon, cfg.delta * float(sqrt_c.max()))
+    rho1 = max(rho1, floor_val)
+    d1 = d1.clamp(min=floor_val)
+    W1 = compute_wt1(num_rows, d, d1, rho, rho1, U, sqrt_c, inv_sqrt_e, W, J, eta_t, cfg.alpha)
+    if must_reorthogonalize:
+        W1 = reorthogonalize_rt1(d1, rho1, W1, cfg)
+    return FisherState(W=W1, d=d1, rho=rho1, t=state.t)
+
+
+def precondition_directions(
+    X: torch.Tensor,
+    state: FisherState,
+    rank: int,
+    cfg: NGConfig,
+    *,
+    need_output: bool = True,
+) -> Preconditioned:
+    """PreconditionDirections: X_hat = beta_t X G_t^{-1} = X - X W^T W  (eqn:pt2), with
+    G_t = F_t + alpha/D tr(F_t) I, and gamma_t = sqrt(tr(X X^T) / tr(X_hat X_hat^T)) so that
+    gamma_t X_hat has X's Frobenius norm. Pure: returns the next estimate (t + 1, updated
+    when `is_updating`) without touching `state`. Initialises from X when state.t == 0."""
+    num_rows, dim = X.shape
+    one = torch.ones((), dtype=X.dtype, device=X.device)
+    if dim == 1:  # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case)
+        return Preconditioned(X, one, row_sq_norms(X), state._replace(t=state.t + 1))
+    rank = effective_rank(rank, dim)
+    if state.t == 0 or state.W is None:
+        state = init_state(X, rank, cfg)
+    W = state.W
+    tr_X_t = torch.linalg.vector_norm(X).square()
+    H = X @ W.T  # H_t = X_t W_t^T  (N x R)
+    next_state = state
+    if is_updating(state.t, cfg):
+        next_state = _update_fisher(X, H, float(tr_X_t), state, rank, cfg)
+    next_state = next_state._replace(t=state.t + 1)
+    if not need_output:
+        return Preconditioned(X, one, one, next_state)
+    X_hat = torch.addmm(X, H, W, alpha=-1.0)  # X_hat_t = X_t - H_t W_t
+    row_sq = row_sq_norms(X_hat)
+    tr_hat = row_sq.sum()
+    scale = torch.where((tr_X_t > 0) & (tr_hat > 0), torch.sqrt(tr_X_t / tr_hat), one)
+    return Preconditioned(X_hat, scale, row_sq, next_state)
+
+
+class OnlineNaturalGradient:
+    """One online Fisher estimate (Kaldi's class of the same name), e.g. a layer's input side."""
+
+    def __init__(self, rank: int, config: NGConfig) -> None:
+        self.rank = rank
+        self.config = config
+        self.state = FisherState(W=None, d=None, rho=config.epsilon, t=0)
+
+    def precondition(self, X: torch.Tensor) -> Preconditioned:
+        """Precondition the rows of X (N x D); `commit` the result to keep its estimate."""
+        return precondition_directions(X, self.state, self.rank, self.config)
+
+    def commit(self, result: Preconditioned) -> None:
+        """Adopt the estimate computed by `precondition`."""
+        self.state = result.state
+
+    def fisher(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(R_t, diag D_t, rho_t) in float64 on the CPU: F_t = R^T diag(d) R + rho I."""
+        W, d, rho = self.state.W, self.state.d, self.state.rho
+        if W is None:
+            raise ValueError("the Fisher estimate is not initialised yet")
+        beta = compute_beta(rho, d, W.shape[1], self.config.alpha)
+        _, _, inv_sqrt_e = compute_et(d, beta)
+        return inv_sqrt_e[:, None] * W.to(_CPU, _F64), d.clone(), rho
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only: t, rho and (once initialised) W and d."""
+        s = self.state
+        out = {"t": torch.tensor(s.t, dtype=torch.int64), "rho": torch.tensor(s.rho, dtype=_F64)}
+        if s.W is not None:
+            out["W"] = s.W.detach().clone()
+            out["d"] = s.d.clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Restore from `state_dict`, putting W on `device`."""
+        W = state.get("W")
+        d = state.get("d")
+        self.state = FisherState(
+            W=None if W is None else W.to(device).clone(),
+            d=None if d is None else d.to(_CPU, _F64).clone(),
+            rho=float(state["rho"]),
+            t=int(state["t"]),
+        )
+
+
+class NGSGD:
+    """Natural-gradient SGD: every `nn.Linear` gets Kaldi's online NG preconditioning of its
+    inputs (rank_in) and output derivatives (rank_out), nnet2's per-frame max-change and
+    nnet3's whole-model max_param_change. Other trainable parameters get plain SGD.
+
+    The linear layers' weights do not get `.grad` (autograd is told not to compute it: the
+    update is built from the captured X and dY). The Fisher estimates are this rank's own
+    state; model averaging touches parameters only.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: NGConfig = NGConfig(),
+        max_change_per_sample: float = 0.075,
+        max_param_change: float = 2.0,
+    ) -> None:
+        self.config = config
+        self.max_change_per_sample = max_change_per_sample
+        self.max_param_change = max_param_change
+        self.linears = [m for m in find_linears(model) if m.weight.requires_grad]
+        self.tap = LinearTap(self.linears, skip_weight_grad=True)
+        self.preconditioners = [
+            (OnlineNaturalGradient(config.rank_in, config), OnlineNaturalGradient(config.rank_out, config))
+            for _ in self.linears
+        ]
+        in_linears = {id(p) for m in self.linears for p in m.parameters(recurse=False)}
+        self.other_params = [p for p in model.parameters() if p.requires_grad and id(p) not in in_linears]
+
+    def _layer_update(
+        self, index: int, lr: float
+    ) -> tuple[LayerUpdate, Preconditioned, Preconditioned] | None:
+        taken = self.tap.take(index)
+        if taken is None:
+            return None
+        layer = self.linears[index]
+        x, dy = taken
+        if layer.bias is not None:
+            x = F.pad(x, (0, 1), value=1.0)  # nnet2 appends a 1 so the bias is preconditioned too
+        pre_in, pre_out = self.preconditioners[index]
+        p_in = pre_in.precondition(x)
+        p_out = pre_out.precondition(dy.to(x.dtype))
+        scale = p_in.scale * p_out.scale
+        factor = per_sample_scale(p_in.row_sq, p_out.row_sq, scale * lr, self.max_change_per_sample)
+        delta = torch.mm(p_out.x_hat.T, p_in.x_hat).mul_(scale * factor * -lr)
+        if layer.bias is None:
+            update = LayerUpdate([layer.weight], [delta], factor)
+        else:
+            dim_in = layer.in_features
+            update = LayerUpdate([layer.weight, layer.bias], [delta[:, :dim_in], delta[:, dim_in]], factor)
+        return update, p_in, p_out
+
+    def step(self, lr: float) -> StepStats:
+        """One NG-SGD update from the last backward pass; clears what it used."""
+        updates: list[LayerUpdate] = []
+        pending: list[tuple[int, Preconditioned, Preconditioned]] = []
+        for index in range(len(self.linears)):
+            result = self._layer_update(index, lr)
+            if result is not None:
+                updates.append(result[0])
+                pending.append((index, result[1], result[2]))
+        others = [p for p in self.other_params if p.grad is not None]
+        if others:
+            updates.append(LayerUpdate(others, [p.grad * -lr for p in others]))
+        stats = apply_updates(updates, self.max_param_change)
+        if stats.applied:  # a skipped step must not feed NaNs into the Fisher estimates either
+            for index, p_in, p_out in pending:
+                self.preconditioners[index][0].commit(p_in)
+                self.preconditioners[index][1].commit(p_out)
+        for p in self.other_params:
+            p.grad = None
+        self.tap.clear()
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per linear layer, both Fisher estimates (tensors only; readable with weights_only)."""
+        return {
+            "layers": [
+                {"in": pin.state_dict(), "out": pout.state_dict()} for pin, pout in self.preconditioners
+            ]
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the Fisher estimates saved by `state_dict` (same model structure)."""
+        layers = state["layers"]
+        if len(layers) != len(self.linears):
+            raise ValueError(
+                f"state has {len(layers)} linear layers, the model has {len(self.linears)}"
+            )
+        for layer, (pin, pout), saved in zip(self.linears, self.preconditioners, layers):
+            for pre, key, dim in ((pin, "in", layer.in_features + (layer.bias is not None)),
+                                  (pout, "out", layer.out_features)):
+                W = saved[key].get("W")
+                if W is not None and W.shape[1] != dim:
+                    raise ValueError(f"Fisher estimate '{key}' has dim {W.shape[1]}, layer needs {dim}")
+                pre.load_state_dict(saved[key], layer.weight.device)

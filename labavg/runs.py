@@ -1,0 +1,259 @@
+"""Run directories: what a finished or running training run leaves on disk.
+
+RUN_DIR/config.json      the TrainConfig (written by rank 0 when the run starts)
+RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.events)
+RUN_DIR/summary.json     results, written by rank 0 at the end
+RUN_DIR/tensorboard/     TensorBoard event files, one folder per rank
+RUN_DIR/checkpoints/     see labavg.checkpoint
+
+`run_training` is the consumer the CLI and notebooks call: it iterates the trainer and writes
+these files. Every rank appends to events.jsonl with one O_APPEND write per line, which
+keeps lines whole on a local file system.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from labavg.checkpoint import atomic_write_text, latest_step
+from labavg.config import TrainConfig, config_from_dict, to_dict
+from labavg.errors import UserError
+from labavg.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted
+
+EVENTS = "events.jsonl"
+SUMMARY = "summary.json"
+CONFIG = "config.json"
+
+# Settings that may differ between runs that are still "the same configuration" for speedup.
+_PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
+                  "tensorboard")
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse to mix a new run into an existing run directory (unless resuming it)."""
+    if resume:
+        if latest_step(run_dir) is None:
+            raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
+        return
+    if (run_dir / EVENTS).exists() or (run_dir / SUMMARY).exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; pass --resume to continue it or choose "
+            f"another --out"
+        )
+
+
+class EventLog:
+    """Appends events to events.jsonl and, if asked, to this rank's TensorBoard files."""
+
+    def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(run_dir / EVENTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard" / f"rank{rank}"))
+
+    def write(self, event: Event) -> None:
+        """Log one event (one write call, so concurrent ranks never split a line)."""
+        os.write(self._fd, (json.dumps(event.to_dict(), allow_nan=True) + "\n").encode())
+        if self._tb is None:
+            return
+        if isinstance(event, MinibatchDone):
+            self._tb.add_scalar("train/loss", event.loss, event.step)
+            self._tb.add_scalar("train/frame_accuracy", event.frame_accuracy, event.step)
+            self._tb.add_scalar("train/lr", event.lr, event.step)
+        elif isinstance(event, Averaged):
+            self._tb.add_scalar("averaging/divergence", event.divergence, event.step)
+            self._tb.add_scalar("averaging/comm_seconds", event.comm_seconds, event.step)
+            self._tb.add_scalar("averaging/frames_per_second", event.frames_per_second, event.step)
+        elif isinstance(event, EpochDone):
+            self._tb.add_scalar("cv/loss", event.cv_loss, event.step)
+            self._tb.add_scalar("cv/frame_accuracy", event.cv_frame_accuracy, event.step)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        os.close(self._fd)
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The events of a run directory as dicts; a last line still being written is skipped."""
+    path = Path(run_dir) / EVENTS
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                yield json.loads(line)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json of a finished run; UserError naming the path otherwise."""
+    path = Path(run_dir) / SUMMARY
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cfg.items() if k not in _PARALLEL_KEYS}
+
+
+def find_baseline(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """Summary of a finished 1-rank run of the same configuration beside `run_dir`, if any.
+
+    Runs are the same configuration when everything but the parallel settings (ranks,
+    backend, device, output directory, logging) is equal, the learning rate included: with
+    `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
+    """
+    want = _comparable(to_dict(cfg))
+    parent = Path(run_dir).resolve().parent
+    candidates = []
+    for sibling in sorted(parent.iterdir()) if parent.is_dir() else []:
+        if sibling.resolve() == Path(run_dir).resolve() or not (sibling / SUMMARY).is_file():
+            continue
+        try:
+            summary = json.loads((sibling / SUMMARY).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if summary.get("ranks") == 1 and _comparable(summary.get("config", {})) == want:
+            candidates.append(summary)
+    return candidates[-1] if candidates else None
+
+
+def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
+                 baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """The summary.json of a run, with speedup when a 1-rank baseline exists."""
+    summary: dict[str, Any] = {
+        "ranks": started.size,
+        "backend": cfg.backend,
+        "average_every": started.average_every,
+        "optimizer": cfg.optimizer,
+        "pretrain": cfg.pretrain,
+        "schedule": cfg.schedule,
+        "minibatch": cfg.minibatch,
+        "epochs": cfg.epochs,
+        "lr": cfg.lr,
+        "effective_lr": started.effective_lr,
+        "num_params": started.num_params,
+        "num_pdfs": started.num_pdfs,
+        "frames_trained": finished.frames_trained,
+        "steps": finished.step,
+        "averaging_rounds": finished.averaging_rounds,
+        "cv_frame_accuracy": finished.cv_frame_accuracy,
+        "cv_loss": finished.cv_loss,
+        "wall_seconds": finished.wall_seconds,
+        "compute_seconds": finished.compute_seconds,
+        "comm_seconds": finished.comm_seconds,
+        "comm_fraction": finished.comm_seconds / max(finished.compute_seconds + finished.comm_seconds, 1e-12),
+        "speedup": None,
+        "parallel_efficiency": None,
+        "baseline_wall_seconds": None,
+        "config": to_dict(cfg),
+    }
+    if baseline is not None and finished.wall_seconds > 0:
+        speedup = baseline["wall_seconds"] / finished.wall_seconds
+        summary.update(
+            speedup=speedup,
+            parallel_efficiency=speedup / started.size,
+            baseline_wall_seconds=baseline["wall_seconds"],
+        )
+    return summary
+
+
+def run_training(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    on_event: Callable[[Event], None] | None = None,
+    progress: bool = True,
+) -> dict[str, Any] | None:
+    """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
+
+    Under mpiexec/torchrun every process calls this; only rank 0 returns the summary (others
+    return None). `on_event` sees every event this process sees.
+    """
+    from labavg.data.dataset import open_dataset
+    from labavg.train import train
+
+    run_dir = Path(cfg.out)
+    check_run_dir(run_dir, resume)
+    source = open_dataset(
+        cfg.data.data, ali=cfg.data.ali, ali_dir=cfg.data.ali_dir, textgrid=cfg.data.textgrid,
+        apply_cmvn=cfg.data.apply_cmvn, norm_vars=cfg.data.norm_vars,
+        skip_mismatched=cfg.data.skip_mismatched,
+    )
+    logs: dict[int, EventLog] = {}
+    started: dict[int, RunStarted] = {}
+    summary = None
+    bar = None
+    try:
+        for event in train(cfg, source, run_dir, resume):
+            if event.rank not in logs:
+                if event.rank == 0 and not resume:
+                    atomic_write_text(run_dir / CONFIG, json.dumps(to_dict(cfg), indent=2) + "\n")
+                logs[event.rank] = EventLog(run_dir, event.rank, cfg.tensorboard)
+            logs[event.rank].write(event)
+            if on_event is not None:
+                on_event(event)
+            if isinstance(event, RunStarted):
+                started[event.rank] = event
+                if event.rank == 0 and progress:
+                    bar = _progress_bar(event, cfg)
+            elif bar is not None and event.rank == 0 and isinstance(event, MinibatchDone):
+                bar.update(event.step - bar.n)
+                bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
+            elif isinstance(event, RunFinished) and event.rank == 0:
+                summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
+                atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    finally:
+        if bar is not None:
+            bar.close()
+        for log in logs.values():
+            log.close()
+    return summary
+
+
+def _progress_bar(event: RunStarted, cfg: TrainConfig):
+    from tqdm import tqdm
+
+    return tqdm(total=event.steps_per_epoch * cfg.epochs, initial=event.start_step, unit="mb",
+                desc=f"train x{event.size}", dynamic_ncols=True)
+
+
+def format_table(summaries: Iterable[dict[str, Any]]) -> str:
+    """A Markdown table of run summaries (one row per run)."""
+    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
+            ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
+            ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
+
+    def cell(key: str, value: Any) -> str:
+        if value is None:
+            return "-"
+        if key in ("cv_frame_accuracy", "comm_fraction"):
+            return f"{100 * value:.2f}"
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for s in summaries:
+        lines.append("| " + " | ".join(cell(k, s.get(k)) for _, k in cols) + " |")
+    return "\n".join(lines)
+
+
+def load_config_of(run_dir: Path) -> TrainConfig:
+    """The TrainConfig a run directory was started with."""
+    path = Path(run_dir) / CONFIG
+    try:
+        return config_from_dict(json.loads(path.read_text()), str(path))
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a labavg run directory: {path} is missing") from None

@@ -1,0 +1,310 @@
+"""The training step and the trainer.
+
+`train_step` is pure (forward, loss, backward, update; no I/O, no communication).
+`train_rank` is one rank's whole run as a generator of events: every consumer (the CLI, the
+notebooks, the dashboard, ipyparallel engines) iterates it, directly or through `train`,
+which starts the ranks of the chosen backend. Read `train_rank` top to bottom for the method:
+shard the data, broadcast rank 0's model, run SGD locally, average every K minibatches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from labavg import checkpoint
+from labavg.averaging import average_parameters, broadcast_parameters, flatten_parameters
+from labavg.comm.base import Communicator
+from labavg.config import TrainConfig, to_dict
+from labavg.data.base import UtteranceSource
+from labavg.data.frames import FrameBatches, cv_batches, shard, split_cv, steps_per_epoch
+from labavg.events import (
+    Averaged,
+    CheckpointSaved,
+    EpochDone,
+    Event,
+    Message,
+    MinibatchDone,
+    RunFinished,
+    RunStarted,
+)
+from labavg.model import DNN, count_parameters
+from labavg.optim.base import Optimizer, StepStats
+from labavg.optim.factory import make_optimizer
+from labavg.schedules import exponential_lr, newbob_start, newbob_step, scale_lr, NewbobState
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step measured on its minibatch."""
+
+    loss_sum: float  # summed cross-entropy over the minibatch's frames
+    correct: int
+    frames: int
+    stats: StepStats
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: Optimizer, x: torch.Tensor, y: torch.Tensor, lr: float
+) -> StepResult:
+    """Forward, cross-entropy (summed over frames, Kaldi's objective), backward, update."""
+    logits = model(x)
+    loss = F.cross_entropy(logits, y, reduction="sum")
+    loss.backward()
+    stats = optimizer.step(lr)
+    correct = (logits.detach().argmax(dim=1) == y).sum()
+    return StepResult(loss.item(), int(correct.item()), y.numel(), stats)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device: torch.device) -> torch.Tensor:
+    """[summed loss, correct frames, frames] of `model` over `batches`, as float64."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits, y, reduction="sum").item()
+        totals[1] += (logits.argmax(dim=1) == y).sum().item()
+        totals[2] += y.numel()
+    return totals
+
+
+def _global_cv(model, source, cv_keys, cfg, comm, device) -> tuple[float, float]:
+    """CV loss and frame accuracy of the (identical) model over every rank's part of the CV set."""
+    mine = cv_keys[comm.rank :: comm.size]
+    totals = evaluate(model, cv_batches(source, mine, context=cfg.data.context), device)
+    comm.allreduce_mean(totals)  # float64 on CPU: sums are means times size
+    loss_sum, correct, frames = (totals * comm.size).tolist()
+    if frames == 0:
+        return math.nan, math.nan
+    return loss_sum / frames, correct / frames
+
+
+def _build_model(cfg: TrainConfig, source: UtteranceSource, device: torch.device) -> DNN:
+    generator = torch.Generator().manual_seed(cfg.seed)
+    input_dim = source.feat_dim * (2 * cfg.data.context + 1)
+    return DNN(input_dim, source.num_pdfs, cfg.model, generator=generator).to(device)
+
+
+def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
+    """RBM pretraining of the sigmoid layers, itself data-parallel with periodic averaging."""
+    from labavg.rbm import pretrain_dbn
+
+    num_steps = steps_per_epoch(keys, source.num_frames, comm.size, cfg.rbm.minibatch)
+    batches = FrameBatches(
+        source, keys, context=cfg.data.context, minibatch=cfg.rbm.minibatch,
+        buffer_frames=max(cfg.data.buffer_frames, cfg.rbm.minibatch), seed=cfg.seed + 7919,
+        rank=comm.rank, size=comm.size, num_steps=num_steps,
+    )
+
+    def batches_for_epoch(epoch: int):
+        return (x for x, _ in batches.epoch(epoch))
+
+    yield from pretrain_dbn(
+        model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.averaging_interval(), device=device
+    )
+
+
+def _rank_state(step, flat, optimizer, newbob, totals, epoch_sums, rounds) -> dict[str, Any]:
+    return {
+        "step": step,
+        "params": flat.detach().cpu().clone(),
+        "optimizer": optimizer.state_dict(),
+        "newbob": None if newbob is None else to_dict(newbob),
+        "totals": dict(totals),
+        "epoch_sums": epoch_sums.clone(),
+        "rounds": rounds,
+    }
+
+
+def train_rank(
+    comm: Communicator,
+    cfg: TrainConfig,
+    source: UtteranceSource,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    device: torch.device | None = None,
+) -> Iterator[Event]:
+    """One rank's training run, as a stream of events (see labavg.events).
+
+    All ranks run this in lockstep: the same number of minibatches per epoch, averaging after
+    every K-th minibatch and at each epoch end. Checkpoints go to `run_dir` when given.
+    """
+    wall_start = time.perf_counter()
+    device = device or torch.device(cfg.device if cfg.device != "auto" else "cpu")
+    rank, size = comm.rank, comm.size
+    K = cfg.averaging_interval()
+
+    # Data: the same CV split and shards on every rank, computed locally.
+    train_keys, cv_keys = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
+    num_steps = steps_per_epoch(train_keys, source.num_frames, size, cfg.minibatch)
+    batches = FrameBatches(
+        source, train_keys, context=cfg.data.context, minibatch=cfg.minibatch,
+        buffer_frames=cfg.data.buffer_frames, seed=cfg.seed, rank=rank, size=size,
+        num_steps=num_steps,
+    )
+    total_steps = num_steps * cfg.epochs
+
+    # Model: rank 0's initial parameters everywhere; parameters live in one flat buffer.
+    model = _build_model(cfg, source, device)
+    flat = flatten_parameters([model])
+    broadcast_parameters(flat, comm)
+    optimizer = make_optimizer(
+        cfg.optimizer, model, max_change_per_sample=cfg.max_change_per_sample,
+        max_param_change=cfg.max_param_change, **({"config": cfg.ngsgd} if cfg.optimizer == "ngsgd" else {}),
+    )
+    lr0 = scale_lr(cfg.lr, size, cfg.lr_scaling)
+    lr_final = scale_lr(cfg.final_learning_rate(), size, cfg.lr_scaling)
+
+    step, rounds = 0, 0
+    totals = {"compute": 0.0, "comm": 0.0}
+    epoch_sums = torch.zeros(3, dtype=torch.float64)  # this epoch's [loss_sum, correct, frames]
+    newbob: NewbobState | None = None
+    found = checkpoint.latest_step(run_dir) if (resume and run_dir is not None) else None
+    if found is not None:
+        state = checkpoint.load_rank_state(run_dir, found[0], rank)
+        flat.copy_(state["params"].to(device))
+        optimizer.load_state_dict(state["optimizer"])
+        newbob = None if state["newbob"] is None else NewbobState(**state["newbob"])
+        step, rounds = state["step"], state["rounds"]
+        totals.update(state["totals"])
+        epoch_sums = state["epoch_sums"]
+    elif cfg.pretrain == "rbm":
+        yield from _pretrain(model, cfg, source, train_keys, comm, device)
+        broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
+
+    if cfg.schedule == "newbob" and newbob is None:
+        cv_loss0, cv_acc0 = _global_cv(model, source, cv_keys, cfg, comm, device)
+        newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
+
+    yield RunStarted(
+        rank=rank, size=size, device=str(device), num_params=count_parameters(model),
+        num_pdfs=source.num_pdfs, input_dim=model.hidden[0].in_features if model.hidden else
+        model.output.in_features, steps_per_epoch=num_steps, train_utterances=len(train_keys),
+        cv_utterances=len(cv_keys), average_every=K, effective_lr=lr0, start_step=step,
+    )
+
+    cv_loss = cv_acc = math.nan
+    round_compute, round_frames = 0.0, 0
+    while step < total_steps:
+        epoch, start = divmod(step, num_steps)
+        epoch_start_time = time.perf_counter()
+        accepted_params = flat.clone() if cfg.schedule == "newbob" else None
+        for x, y in batches.epoch(epoch, start_step=start):
+            lr = _learning_rate(cfg, newbob, lr0, lr_final, step, total_steps)
+            t0 = time.perf_counter()
+            result = train_step(model, optimizer, x.to(device), y.to(device), lr)
+            seconds = time.perf_counter() - t0
+            totals["compute"] += seconds
+            round_compute += seconds
+            round_frames += result.frames
+            epoch_sums += torch.tensor([result.loss_sum, result.correct, result.frames], dtype=torch.float64)
+            step += 1
+            if step % cfg.log_every == 0 or not result.stats.applied:
+                yield MinibatchDone(
+                    rank=rank, epoch=epoch, step=step, loss=result.loss_sum / result.frames,
+                    frame_accuracy=result.correct / result.frames, frames=result.frames, lr=lr,
+                    applied=result.stats.applied, max_change_scale=result.stats.scale,
+                )
+            if not result.stats.applied:
+                yield Message(rank=rank, step=step, text="non-finite update skipped")
+            end_of_epoch = step % num_steps == 0
+            if step % K == 0 or end_of_epoch:
+                avg = average_parameters(flat, comm)
+                rounds += 1
+                totals["comm"] += avg.comm_seconds
+                yield Averaged(
+                    rank=rank, round=rounds, step=step, divergence=avg.divergence,
+                    compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
+                    frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
+                )
+                round_compute, round_frames = 0.0, 0
+                if run_dir is not None and not end_of_epoch and rounds % cfg.checkpoint_every == 0:
+                    yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+
+        # Epoch end: every rank holds the averaged model; evaluate it on the CV set.
+        cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
+        accepted, stop = True, False
+        if newbob is not None:
+            decision = newbob_step(newbob, _newbob_value(cfg, cv_loss, cv_acc), cfg.newbob)
+            accepted, stop, newbob = decision.accept, decision.stop, decision.state
+            if not accepted:
+                flat.copy_(accepted_params)
+        loss_sum, correct, frames = epoch_sums.tolist()
+        yield EpochDone(
+            rank=rank, epoch=epoch, step=step, train_loss=loss_sum / max(frames, 1),
+            train_frame_accuracy=correct / max(frames, 1), cv_loss=cv_loss, cv_frame_accuracy=cv_acc,
+            lr=lr, accepted=accepted, seconds=time.perf_counter() - epoch_start_time,
+        )
+        epoch_sums = torch.zeros(3, dtype=torch.float64)
+        if stop:
+            yield Message(rank=rank, step=step, text="Newbob schedule stopped training")
+            total_steps = step
+        if run_dir is not None:
+            yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+
+    if math.isnan(cv_loss):  # resumed at the very end: report the final model's CV anyway
+        cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
+    yield RunFinished(
+        rank=rank, step=step, wall_seconds=time.perf_counter() - wall_start,
+        compute_seconds=totals["compute"], comm_seconds=totals["comm"], averaging_rounds=rounds,
+        frames_trained=step * cfg.minibatch * size, cv_loss=cv_loss, cv_frame_accuracy=cv_acc,
+    )
+
+
+def _newbob_value(cfg: TrainConfig, cv_loss: float, cv_acc: float) -> float:
+    # Kaldi's FRAME_ACCURACY is in percent; the loss criterion uses the loss itself.
+    return cv_acc * 100.0 if cfg.newbob.criterion == "frame_accuracy" else cv_loss
+
+
+def _learning_rate(cfg, newbob, lr0, lr_final, step, total_steps) -> float:
+    if newbob is not None:
+        return lr0 * newbob.lr_scale
+    return exponential_lr(lr0, lr_final, step / max(total_steps - 1, 1))
+
+
+def _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds) -> CheckpointSaved:
+    """Every rank saves its file; rank 0 publishes the checkpoint once all are on disk."""
+    checkpoint.save_rank_state(
+        run_dir, step, comm.rank, _rank_state(step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+    )
+    comm.barrier()
+    path = checkpoint.checkpoint_dir(run_dir) / f"{step:09d}"
+    if comm.rank == 0:
+        checkpoint.commit_checkpoint(run_dir, step, comm.size)
+    comm.barrier()  # nobody runs ahead into a later save before the manifest is written
+    return CheckpointSaved(rank=comm.rank, step=step, path=str(path))
+
+
+def train(
+    cfg: TrainConfig,
+    source: UtteranceSource,
+    run_dir: Path | None = None,
+    resume: bool = False,
+) -> Iterator[Event]:
+    """Run training on the configured backend and yield the events of the ranks it can see.
+
+    `inproc` runs `cfg.ranks` simulated workers as threads of this process and yields every
+    rank's events. `mpi` and `torch` run the rank of this process (started by mpiexec, srun or
+    torchrun) and yield its own events.
+    """
+    torch.set_num_threads(cfg.threads)
+    if cfg.backend == "inproc":
+        from labavg.comm.inproc import iterate_inproc
+        from labavg.comm.world import select_device
+
+        device = select_device(cfg.device, 0)
+        yield from iterate_inproc(cfg.ranks, train_rank, cfg, source, run_dir, resume, device)
+        return
+    from labavg.comm.world import open_communicator, select_device
+
+    comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)
+    device = select_device(cfg.device, comm.local_rank)
+    yield from train_rank(comm, cfg, source, run_dir, resume, device)
