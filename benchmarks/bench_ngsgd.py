@@ -1,6 +1,8 @@
 """Step time of NG-SGD over plain SGD on the default DNN (one CPU thread by default).
 
-A "step" is what the trainer does per minibatch: forward, summed cross-entropy, backward,
+Times are CPU seconds of this process (`time.process_time`) by default, which other
+processes on a shared machine disturb much less than wall-clock time (`--clock wall`; CUDA
+needs wall). A "step" is what the trainer does per minibatch: forward, summed cross-entropy, backward,
 optimizer.step(lr). Both optimizers run interleaved in one process, after a warm-up that
 covers NG-SGD's first 10 always-updating minibatches; the reported ratio is the median over
 repetitions of (NG-SGD time / SGD time) for the same number of steps.
@@ -21,16 +23,16 @@ from labavg.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
 
 
-def time_steps(model, optimizer, feats, labels, steps: int, batch: int, lr: float) -> float:
-    """Seconds for `steps` training steps on consecutive minibatches."""
+def time_steps(model, optimizer, feats, labels, steps: int, batch: int, lr: float, clock) -> float:
+    """Seconds (of `clock`) for `steps` training steps on consecutive minibatches."""
     n = feats.shape[0]
-    start = time.perf_counter()
+    start = clock()
     for s in range(steps):
         lo = (s * batch) % (n - batch)
         loss = F.cross_entropy(model(feats[lo : lo + batch]), labels[lo : lo + batch], reduction="sum")
         loss.backward()
         optimizer.step(lr)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def main() -> None:
@@ -41,9 +43,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    clock = time.perf_counter if args.clock == "wall" or device.type == "cuda" else time.process_time
     gen = torch.Generator().manual_seed(0)
     feats = torch.randn(8192, 440, generator=gen).to(device)
     labels = torch.randint(0, 120, (8192,), generator=gen).to(device)
@@ -52,18 +56,18 @@ def main() -> None:
         torch.manual_seed(0)
         model = DNN(440, 120, ModelConfig()).to(device)
         opt = make_optimizer(name, model)
-        time_steps(model, opt, feats, labels, 20, args.batch, 0.008)  # warm-up / NG init
+        time_steps(model, opt, feats, labels, 20, args.batch, 0.008, clock)  # warm-up / NG init
         runs[name] = (model, opt)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ratios, times = [], {"sgd": [], "ngsgd": []}
     for _ in range(args.reps):
         for name in ("sgd", "ngsgd"):
             sync()
-            t = time_steps(*runs[name], feats, labels, args.steps, args.batch, 0.008)
+            t = time_steps(*runs[name], feats, labels, args.steps, args.batch, 0.008, clock)
             sync()
             times[name].append(t / args.steps)
         ratios.append(times["ngsgd"][-1] / times["sgd"][-1])
-    print(f"threads={args.threads} device={device} batch={args.batch} steps/rep={args.steps}")
+    print(f"threads={args.threads} device={device} batch={args.batch} steps/rep={args.steps} clock={clock.__name__}")
     print("sgd   ms/step:", " ".join(f"{1e3 * t:.2f}" for t in times["sgd"]))
     print("ngsgd ms/step:", " ".join(f"{1e3 * t:.2f}" for t in times["ngsgd"]))
     print("ratios:", " ".join(f"{r:.3f}" for r in ratios))

@@ -77,6 +77,10 @@ class DNN(nn.Module):
         self.output = nn.Linear(dim, num_pdfs)
         layers.append(self.output)
         self.net = nn.Sequential(*layers)
+        # nnet1's feature transform (<AddShift>, <Rescale>): global mean and variance
+        # normalisation of the spliced input, fixed before training (see set_input_transform).
+        self.register_buffer("input_shift", torch.zeros(input_dim))
+        self.register_buffer("input_scale", torch.ones(input_dim))
         self.reset_parameters(generator)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -93,8 +97,17 @@ class DNN(nn.Module):
         nn.init.normal_(self.output.weight, std=0.1, generator=generator)
         nn.init.zeros_(self.output.bias)
 
+    def set_input_transform(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Normalise inputs to zero mean and unit variance with fixed global statistics."""
+        self.input_shift.copy_(-mean)
+        self.input_scale.copy_(1.0 / std.clamp_min(1e-5))
+
+    def normalize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input after the fixed feature transform."""
+        return (x + self.input_shift) * self.input_scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return self.net(self.normalize_input(x))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -195,7 +195,7 @@ class CD1Trainer:
             # Kaldi: shrink weights and biases, lr x 0.9, reset momentum, skip this update.
             for p in (W, vb, hb):
                 p.mul_(scale)
-            pass
+            self.lr *= 0.9
             for c in self._corr:
                 c.zero_()
             self.safeguard_hits += 1
@@ -399,7 +399,9 @@ def _rechunk(batches: Iterable[torch.Tensor], size: int) -> Iterator[torch.Tenso
     have = 0
     for batch in batches:
         if batch.dim() != 2:
-            raise ValueError(f"RBM input batches must be [frames, dim], got shape {tuple(batch.shape)}")
+            raise ValueError(
+                f"RBM input batches must be [frames, dim], got shape {tuple(batch.shape)}"
+            )
         pending.append(batch)
         have += batch.shape[0]
         if have < size:

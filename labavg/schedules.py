@@ -68,7 +68,9 @@ class NewbobConfig:
 
     def __post_init__(self) -> None:
         if self.criterion not in NEWBOB_CRITERIA:
-            raise ValueError(f"unknown Newbob criterion {self.criterion!r}; choose from {NEWBOB_CRITERIA}")
+            raise ValueError(
+                f"unknown Newbob criterion {self.criterion!r}; choose from {NEWBOB_CRITERIA}"
+            )
         if not 0.0 < self.halving_factor <= 1.0:
             raise ValueError(f"halving_factor must be in (0, 1], got {self.halving_factor}")
         if self.max_iters < 1 or self.min_iters < 0 or self.keep_lr_iters < 0:
@@ -142,7 +144,10 @@ def newbob_step(state: NewbobState, cv_value: float, cfg: NewbobConfig) -> Newbo
     _check_cv(cv_value, cfg)
     it = state.iters + 1
     prev = state.best
-    better = math.isfinite(cv_value) and (cv_value > prev if _higher_is_better(cfg) else cv_value < prev)
+    if not math.isfinite(cv_value):
+        better = False
+    else:
+        better = cv_value > prev if _higher_is_better(cfg) else cv_value < prev
     accept = better or it <= cfg.keep_lr_iters or it <= cfg.min_iters
     best = cv_value if accept else prev
     last_iter = it >= cfg.max_iters

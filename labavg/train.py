@@ -24,7 +24,7 @@ from labavg.averaging import average_parameters, broadcast_parameters, flatten_p
 from labavg.comm.base import Communicator
 from labavg.config import TrainConfig, to_dict
 from labavg.data.base import UtteranceSource
-from labavg.data.frames import FrameBatches, cv_batches, shard, split_cv, steps_per_epoch
+from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
 from labavg.events import (
     Averaged,
     CheckpointSaved,
@@ -87,25 +87,31 @@ def _global_cv(model, source, cv_keys, cfg, comm, device) -> tuple[float, float]
     return loss_sum / frames, correct / frames
 
 
-def _build_model(cfg: TrainConfig, source: UtteranceSource, device: torch.device) -> DNN:
+def _build_model(cfg: TrainConfig, source: UtteranceSource, train_keys, device: torch.device) -> DNN:
+    """The initial DNN with its fixed input normalisation (the same on every rank)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     input_dim = source.feat_dim * (2 * cfg.data.context + 1)
-    return DNN(input_dim, source.num_pdfs, cfg.model, generator=generator).to(device)
+    model = DNN(input_dim, source.num_pdfs, cfg.model, generator=generator)
+    mean, std = feature_stats(source, train_keys, cfg.data.context)
+    model.set_input_transform(torch.from_numpy(mean).float(), torch.from_numpy(std).float())
+    return model.to(device)
 
 
 def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
     """RBM pretraining of the sigmoid layers, itself data-parallel with periodic averaging."""
     from labavg.rbm import pretrain_dbn
 
-    num_steps = steps_per_epoch(keys, source.num_frames, comm.size, cfg.rbm.minibatch)
+    minibatch = cfg.rbm.minibatch_size
+    num_steps = steps_per_epoch(keys, source.num_frames, comm.size, minibatch)
     batches = FrameBatches(
-        source, keys, context=cfg.data.context, minibatch=cfg.rbm.minibatch,
-        buffer_frames=max(cfg.data.buffer_frames, cfg.rbm.minibatch), seed=cfg.seed + 7919,
+        source, keys, context=cfg.data.context, minibatch=minibatch,
+        buffer_frames=max(cfg.data.buffer_frames, minibatch), seed=cfg.seed + 7919,
         rank=comm.rank, size=comm.size, num_steps=num_steps,
     )
 
     def batches_for_epoch(epoch: int):
-        return (x for x, _ in batches.epoch(epoch))
+        # The Gaussian RBM expects the DNN's normalised input, as pretrain_dbn.sh feeds it.
+        return (model.normalize_input(x.to(device)) for x, _ in batches.epoch(epoch))
 
     yield from pretrain_dbn(
         model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.averaging_interval(), device=device
@@ -153,7 +159,7 @@ def train_rank(
     total_steps = num_steps * cfg.epochs
 
     # Model: rank 0's initial parameters everywhere; parameters live in one flat buffer.
-    model = _build_model(cfg, source, device)
+    model = _build_model(cfg, source, train_keys, device)
     flat = flatten_parameters([model])
     broadcast_parameters(flat, comm)
     optimizer = make_optimizer(

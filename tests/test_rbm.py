@@ -62,17 +62,23 @@ def _brute_force_cd1(W, vb, hb, v0, h0_state, gaussian):
     H, V = W.shape
     N = v0.shape[0]
     W, vb, hb, v0, hs = (t.tolist() for t in (W, vb, hb, v0, h0_state))
-    h0 = [[_sigmoid(hb[j] + sum(W[j][i] * v0[n][i] for i in range(V))) for j in range(H)] for n in range(N)]
+    def hidden(v):
+        return [[_sigmoid(hb[j] + sum(W[j][i] * v[n][i] for i in range(V))) for j in range(H)]
+                for n in range(N)]
+
+    h0 = hidden(v0)
     v1 = []
     for n in range(N):
         row = [vb[i] + sum(hs[n][j] * W[j][i] for j in range(H)) for i in range(V)]
         v1.append(row if gaussian else [_sigmoid(a) for a in row])
-    h1 = [[_sigmoid(hb[j] + sum(W[j][i] * v1[n][i] for i in range(V))) for j in range(H)] for n in range(N)]
-    dW = [[sum(h0[n][j] * v0[n][i] - h1[n][j] * v1[n][i] for n in range(N)) / N for i in range(V)] for j in range(H)]
+    h1 = hidden(v1)
+    dW = [[sum(h0[n][j] * v0[n][i] - h1[n][j] * v1[n][i] for n in range(N)) / N for i in range(V)]
+          for j in range(H)]
     dvb = [sum(v0[n][i] - v1[n][i] for n in range(N)) / N for i in range(V)]
     dhb = [sum(h0[n][j] - h1[n][j] for n in range(N)) / N for j in range(H)]
     err = 0.5 * sum((v1[n][i] - v0[n][i]) ** 2 for n in range(N) for i in range(V)) / N
-    return torch.tensor(dW, dtype=torch.float64), torch.tensor(dvb, dtype=torch.float64), torch.tensor(dhb, dtype=torch.float64), err
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    return as_tensor(dW), as_tensor(dvb), as_tensor(dhb), err
 
 
 @pytest.mark.parametrize("gaussian", [False, True])
@@ -100,9 +106,9 @@ def test_cd1_gradients_average_to_the_exact_expectation_over_h0(gaussian):
     W, vb, hb, v0 = _tiny_rbm(4, 3, seed=5, gaussian=gaussian)
     v = v0[:1]
     n = 40000
-    dW, dvb, dhb, _ = rbm_cd1_gradients(
-        W, vb, hb, v.expand(n, -1).contiguous(), gaussian=gaussian, generator=torch.Generator().manual_seed(3)
-    )
+    repeated = v.expand(n, -1).contiguous()
+    g = torch.Generator().manual_seed(3)
+    dW, dvb, dhb, _ = rbm_cd1_gradients(W, vb, hb, repeated, gaussian=gaussian, generator=g)
     p = torch.sigmoid(v @ W.T + hb)[0]
     eW = torch.zeros_like(W)
     evb = torch.zeros_like(vb)
@@ -169,12 +175,14 @@ def test_pretrain_dbn_on_real_features(shared_data):
     assert x.shape == (2672, 143)
     model = DNN(143, 11, ModelConfig(hidden_layers=2, hidden_dim=64))
     initial = [layer.weight.detach().clone() for layer in model.hidden]
+    comm = SingleCommunicator()
     events, rbms = _run(
-        pretrain_dbn(model, _epoch_batches(x), SingleCommunicator(), FAST, average_every=8, device="cpu")
+        pretrain_dbn(model, _epoch_batches(x), comm, FAST, average_every=8, device="cpu")
     )
     epoch_ends = [e for e in events if e.divergence is None]
     # Gaussian first layer: twice the epochs; 2672 frames -> 26 whole minibatches of 100.
-    assert [(e.layer, e.epoch) for e in epoch_ends] == [(0, i) for i in range(6)] + [(1, i) for i in range(3)]
+    expected = [(0, i) for i in range(6)] + [(1, i) for i in range(3)]
+    assert [(e.layer, e.epoch) for e in epoch_ends] == expected
     assert [e.step for e in epoch_ends[:6]] == [26 * (i + 1) for i in range(6)]
     for layer in (0, 1):
         errors = [e.recon_error for e in epoch_ends if e.layer == layer]
@@ -183,8 +191,9 @@ def test_pretrain_dbn_on_real_features(shared_data):
     # Predicting the mean (zero) of unit-variance data costs 0.5 * 143 per frame.
     assert epoch_ends[5].recon_error < 0.6 * 0.5 * 143
     # Rounds: every 8 minibatches, the last round of an epoch partial (26 = 8 + 8 + 8 + 2).
-    rounds = [e.step for e in events if e.layer == 0 and e.epoch == 0 and e.divergence is not None]
-    assert rounds == [8, 16, 24, 26]
+    rounds = [e for e in events if e.divergence is not None]
+    assert [e.step for e in rounds if e.layer == 0 and e.epoch == 0] == [8, 16, 24, 26]
+    assert all(e.divergence == 0.0 for e in rounds)  # one rank: nothing to average
     # The DNN's sigmoid layers now hold the RBMs' weights and hidden biases.
     for layer, rbm, before in zip(model.hidden, rbms, initial):
         assert torch.equal(layer.weight, rbm.weight)
@@ -207,7 +216,9 @@ def test_bernoulli_visible_bias_is_logit_of_mean_activation():
     x = torch.randn(1000, 7, generator=torch.Generator().manual_seed(0))
     cfg = RBMConfig(epochs=1, learn_rate=0.0, learn_rate_gaussian=0.0)
     model = DNN(7, 3, ModelConfig(hidden_layers=2, hidden_dim=5))
-    _, rbms = _run(pretrain_dbn(model, _epoch_batches(x), SingleCommunicator(), cfg, average_every=4, device="cpu"))
+    gen = pretrain_dbn(model, _epoch_batches(x), SingleCommunicator(), cfg, average_every=4,
+                       device="cpu")
+    _, rbms = _run(gen)
     p = rbms[0].hidden_probs(x).mean(dim=0)
     torch.testing.assert_close(rbms[1].vbias, torch.log(p / (1 - p)), rtol=1e-5, atol=1e-5)
     assert torch.equal(rbms[0].vbias, torch.zeros(7))
@@ -261,14 +272,16 @@ def test_safeguard_rescales_a_blown_up_gaussian_rbm():
 def test_pretrain_dbn_rejects_non_sigmoid_models():
     model = DNN(7, 3, ModelConfig(hidden_layers=1, hidden_dim=5, nonlinearity="relu"))
     with pytest.raises(ValueError, match="sigmoid"):
-        next(pretrain_dbn(model, lambda e: [], SingleCommunicator(), RBMConfig(), average_every=1, device="cpu"))
+        next(pretrain_dbn(model, lambda e: [], SingleCommunicator(), RBMConfig(),
+                          average_every=1, device="cpu"))
 
 
 def _rank_fn(comm, shards, cfg, average_every):
     torch.manual_seed(0)  # the DNN's own init; the RBMs' come from cfg.seed and rank 0
     model = DNN(143, 11, ModelConfig(hidden_layers=2, hidden_dim=32))
+    batches = _epoch_batches(shards[comm.rank])
     events, rbms = _run(
-        pretrain_dbn(model, _epoch_batches(shards[comm.rank]), comm, cfg, average_every=average_every, device="cpu")
+        pretrain_dbn(model, batches, comm, cfg, average_every=average_every, device="cpu")
     )
     return events, [[p.detach().clone() for p in r.parameters()] for r in rbms], model.state_dict()
 

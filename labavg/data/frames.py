@@ -379,3 +379,33 @@ def _seed_sequence(*entropy: int) -> np.random.SeedSequence:
     if any(e < 0 for e in entropy):
         raise UserError(f"seeds and epochs must be >= 0, got {entropy}")
     return np.random.SeedSequence(list(entropy))
+
+
+def feature_stats(
+    source: UtteranceSource, keys: Sequence[str], context: int, max_frames: int = 200_000
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and standard deviation of the spliced input, for nnet1's global feature transform.
+
+    nnet1 measures them on spliced training features (`compute-cmvn-stats` over
+    `feature_transform`). A spliced frame is 2c+1 copies of frame statistics, so measuring the
+    unspliced frames and tiling is the same up to edge frames. The same leading utterances
+    (sorted keys, up to `max_frames`) are used on every rank, so all ranks agree without
+    communicating.
+    """
+    total = np.zeros(source.feat_dim)
+    total_sq = np.zeros(source.feat_dim)
+    count = 0
+    for key in sorted(keys):
+        feats, _ = source.load(key)
+        feats = feats.astype(np.float64)
+        total += feats.sum(axis=0)
+        total_sq += np.square(feats).sum(axis=0)
+        count += len(feats)
+        if count >= max_frames:
+            break
+    if count == 0:
+        raise DataError("no training frames to compute the input normalisation from")
+    mean = total / count
+    std = np.sqrt(np.maximum(total_sq / count - np.square(mean), 0.0))
+    reps = 2 * context + 1
+    return np.tile(mean, reps), np.tile(std, reps)

@@ -53,15 +53,18 @@ def per_sample_scale(
 
 @dataclass
 class LayerUpdate:
-    """The deltas for one layer (already times -lr and that layer's max-change factor)."""
+    """One layer's update: parameter p gets coef * delta (coef includes -lr, any
+    preconditioning scale and the layer's max-change `factor`, which is kept for reporting).
+    `coef` and `factor` may be 0-d tensors, so computing them needs no host sync."""
 
     params: Sequence[torch.Tensor]
     deltas: Sequence[torch.Tensor]
+    coef: torch.Tensor | float
     factor: torch.Tensor | float = 1.0
 
 
 def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> StepStats:
-    """Add the deltas to the parameters in place, after nnet3's whole-model max_param_change.
+    """Add the updates to the parameters in place, after nnet3's whole-model max_param_change.
 
     Nothing is changed when the update is not finite. The returned `scale` is the smallest
     total factor any layer's update was shrunk by (per-layer factor times the global one).
@@ -69,23 +72,28 @@ def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> St
     """
     if not updates:
         return StepStats(applied=True, scale=1.0)
-    sq_norms = [d.detach().square().sum(dtype=torch.float64) for u in updates for d in u.deltas]
-    factors = [torch.as_tensor(u.factor, dtype=torch.float64).reshape(()) for u in updates]
-    device = sq_norms[0].device if sq_norms else torch.device("cpu")
-    summary = torch.stack(
-        [torch.stack(sq_norms).sum()] + [f.to(device) for f in factors]
-    ).tolist()  # the only host sync of a step
-    param_delta = math.sqrt(summary[0]) if summary[0] >= 0 else math.nan
-    if not math.isfinite(param_delta) or not all(math.isfinite(f) for f in summary[1:]):
+    device = updates[0].deltas[0].device
+    scalars = []
+    for u in updates:
+        norms = torch.stack([torch.linalg.vector_norm(d.detach()) for d in u.deltas])
+        scalars.append(norms.to(torch.float64).square().sum())
+        for value in (u.coef, u.factor):
+            scalars.append(torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()))
+    values = torch.stack(scalars).tolist()  # the one host sync of a step
+    if not all(math.isfinite(v) for v in values):
+        return StepStats(applied=False, scale=0.0)
+    sq_norms, coefs, factors = values[0::3], values[1::3], values[2::3]
+    param_delta = math.sqrt(sum(c * c * n for c, n in zip(coefs, sq_norms)))
+    if not math.isfinite(param_delta):
         return StepStats(applied=False, scale=0.0)
     global_scale = 1.0
     if max_param_change > 0.0 and param_delta > max_param_change:
         global_scale = max_param_change / param_delta
     with torch.no_grad():
-        for u in updates:
+        for u, coef in zip(updates, coefs):
             for p, d in zip(u.params, u.deltas):
-                p.add_(d.to(p.dtype), alpha=global_scale)
-    return StepStats(applied=True, scale=min(summary[1:], default=1.0) * global_scale)
+                p.add_(d.to(p.dtype), alpha=coef * global_scale)
+    return StepStats(applied=True, scale=min(factors) * global_scale)
 
 
 class LinearTap:

@@ -404,12 +404,14 @@ class NGSGD:
         p_out = pre_out.precondition(dy.to(x.dtype))
         scale = p_in.scale * p_out.scale
         factor = per_sample_scale(p_in.row_sq, p_out.row_sq, scale * lr, self.max_change_per_sample)
-        delta = torch.mm(p_out.x_hat.T, p_in.x_hat).mul_(scale * factor * -lr)
+        delta = torch.mm(p_out.x_hat.T, p_in.x_hat)  # dY_hat^T X_hat; its scale goes in coef
+        coef = scale * factor * -lr
         if layer.bias is None:
-            update = LayerUpdate([layer.weight], [delta], factor)
+            update = LayerUpdate([layer.weight], [delta], coef, factor)
         else:
             dim_in = layer.in_features
-            update = LayerUpdate([layer.weight, layer.bias], [delta[:, :dim_in], delta[:, dim_in]], factor)
+            deltas = [delta[:, :dim_in], delta[:, dim_in]]
+            update = LayerUpdate([layer.weight, layer.bias], deltas, coef, factor)
         return update, p_in, p_out
 
     def step(self, lr: float) -> StepStats:
@@ -423,7 +425,7 @@ class NGSGD:
                 pending.append((index, result[1], result[2]))
         others = [p for p in self.other_params if p.grad is not None]
         if others:
-            updates.append(LayerUpdate(others, [p.grad * -lr for p in others]))
+            updates.append(LayerUpdate(others, [p.grad for p in others], -lr))
         stats = apply_updates(updates, self.max_param_change)
         if stats.applied:  # a skipped step must not feed NaNs into the Fisher estimates either
             for index, p_in, p_out in pending:

@@ -78,15 +78,20 @@ class SGD:
             if not with_grad:
                 continue
             factor = self._layer_factor(layer_index, lr)
-            deltas = []
-            for i in with_grad:
-                g = self.params[i].grad * factor
-                if self.momentum > 0.0:
-                    v = self._velocity[i]
-                    g = g if v is None else v * self.momentum + g
-                    new_velocity[i] = g
-                deltas.append(g * -lr)
-            updates.append(LayerUpdate([self.params[i] for i in with_grad], deltas, factor))
+            grads = [self.params[i].grad for i in with_grad]
+            if self.momentum > 0.0:
+                # v <- momentum v + factor g; committed only if the step is applied.
+                grads = [
+                    g * factor if self._velocity[i] is None
+                    else torch.add(g * factor, self._velocity[i], alpha=self.momentum)
+                    for i, g in zip(with_grad, grads)
+                ]
+                new_velocity.update(zip(with_grad, grads))
+                coef = -lr
+            else:
+                coef = factor * -lr
+            params = [self.params[i] for i in with_grad]
+            updates.append(LayerUpdate(params, grads, coef, factor))
         stats = apply_updates(updates, self.max_param_change)
         if stats.applied:
             for i, v in new_velocity.items():

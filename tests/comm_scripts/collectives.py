@@ -54,12 +54,18 @@ def exercise(comm, marker_dir: Path) -> dict[str, np.ndarray]:
 
 def main(backend: str, out_dir: str) -> None:
     """Open the launcher's communicator, run the checks, save this rank's results."""
+    import labavg.comm.inproc
+    import labavg.comm.mpi
+    import labavg.comm.torch_dist  # noqa: F401 - importing must not start MPI
     from labavg.comm.world import detect_launcher, open_communicator
 
+    mpi4py_before_open = "mpi4py" in sys.modules
     comm = open_communicator(backend)
     out = Path(out_dir)
     results = exercise(comm, out)
     results["launcher"] = np.array(detect_launcher() or "")
+    results["mpi4py_before_open"] = np.array(mpi4py_before_open)
+    results["mpi4py_at_end"] = np.array("mpi4py" in sys.modules)
     np.savez(out / f"rank{comm.rank}.npz", **results)
     comm.close()
 

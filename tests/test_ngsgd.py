@@ -1,0 +1,222 @@
+"""Tests of Kaldi's online natural-gradient SGD (labavg.optim.ngsgd)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labavg.averaging import flatten_parameters
+from labavg.errors import UserError
+from labavg.model import DNN, ModelConfig
+from labavg.optim.factory import make_optimizer
+from labavg.optim.ngsgd import (
+    NGSGD,
+    NGConfig,
+    OnlineNaturalGradient,
+    compute_beta,
+    eta,
+    is_updating,
+    precondition_directions,
+)
+from labavg.optim.sgd import SGD
+
+
+def _orthonormal(dim: int, gen: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    return q
+
+
+def _max_sin_angle(A: torch.Tensor, B: torch.Tensor) -> float:
+    """Largest principal-angle sine between the row spaces of A and B (orthonormal rows)."""
+    cosines = torch.linalg.svdvals(A @ B.T)
+    return math.sqrt(max(0.0, 1.0 - float(cosines.min()) ** 2))
+
+
+def test_eta_and_update_schedule_follow_kaldi():
+    cfg = NGConfig()
+    assert eta(256, cfg) == pytest.approx(1 - math.exp(-256 / 2000))
+    assert eta(100_000, cfg) == 0.9  # capped
+    updating = [t for t in range(30) if is_updating(t, cfg)]
+    assert updating == list(range(11)) + [14, 18, 22, 26]
+
+
+def test_fisher_estimate_recovers_top_eigendirections():
+    gen = torch.Generator().manual_seed(0)
+    dim, rank, top = 40, 6, 4
+    Q = _orthonormal(dim, gen)
+    spectrum = torch.full((dim,), 0.05, dtype=torch.float64)
+    spectrum[:top] = torch.tensor([16.0, 8.0, 4.0, 2.0], dtype=torch.float64)
+    mix = Q * spectrum.sqrt()  # x = Q diag(sqrt(s)) z has covariance Q diag(s) Q^T
+    est = OnlineNaturalGradient(rank, NGConfig(update_period=1))
+    for _ in range(150):
+        X = torch.randn(64, dim, generator=gen, dtype=torch.float64) @ mix.T
+        est.commit(est.precondition(X))
+    R, d, rho = est.fisher()
+    assert torch.allclose(R @ R.T, torch.eye(rank, dtype=torch.float64), atol=1e-4)
+    true_top = Q[:, :top].T
+    assert _max_sin_angle(R[:top], true_top) < 0.15
+    # A random subspace is far off, so the check above can fail.
+    assert _max_sin_angle(_orthonormal(dim, gen)[:top], true_top) > 0.5
+    # Each direction's variance d_i + rho is near the true eigenvalue, sorted largest first.
+    torch.testing.assert_close(d[:top] + rho, spectrum[:top], rtol=0.3, atol=0.0)
+    # tr(F) tracks tr(covariance): F's trace is kept equal to the smoothed scatter's.
+    assert float(d.sum()) + dim * rho == pytest.approx(float(spectrum.sum()), rel=0.2)
+
+
+@pytest.mark.parametrize("updating", [False, True])
+def test_preconditioning_matches_dense_inverse(updating: bool):
+    gen = torch.Generator().manual_seed(1)
+    dim, rank, cfg = 12, 4, NGConfig(alpha=4.0)
+    scales = torch.logspace(1, -1, dim, dtype=torch.float64)
+    est = OnlineNaturalGradient(rank, cfg)
+    for _ in range(13):  # leaves t = 13: not an update step; 14 is one
+        est.commit(est.precondition(torch.randn(20, dim, generator=gen, dtype=torch.float64) * scales))
+    if updating:
+        est.commit(est.precondition(torch.randn(20, dim, generator=gen, dtype=torch.float64) * scales))
+    assert is_updating(est.state.t, cfg) == updating
+    R, d, rho = est.fisher()
+    X = torch.randn(20, dim, generator=gen, dtype=torch.float64) * scales
+    out = precondition_directions(X, est.state, rank, cfg)
+    # Dense: X_hat = beta X G^{-1}, G = F + alpha/D tr(F) I = R^T D R + beta I.
+    beta = compute_beta(rho, d, dim, cfg.alpha)
+    G = R.T @ torch.diag(d) @ R + beta * torch.eye(dim, dtype=torch.float64)
+    dense = beta * X @ torch.linalg.inv(G)
+    torch.testing.assert_close(out.x_hat, dense, rtol=1e-7, atol=1e-9)
+    # gamma rescales to X's Frobenius norm; it is not the identity here.
+    bar = out.x_hat * out.scale
+    assert float(torch.linalg.norm(bar)) == pytest.approx(float(torch.linalg.norm(X)), rel=1e-10)
+    assert float(out.scale) > 1.05
+    torch.testing.assert_close(out.row_sq, (out.x_hat**2).sum(1))
+    assert out.state.t == est.state.t + 1
+    assert (out.state.W is est.state.W) != updating  # only an update step makes a new W
+
+
+def _badly_scaled_problem():
+    gen = torch.Generator().manual_seed(0)
+    dim, classes, n = 100, 4, 4096
+    Z = torch.randn(n, dim, generator=gen)
+    labels = (Z @ torch.randn(dim, classes, generator=gen)).argmax(1)
+    scales = torch.ones(dim)
+    scales[:2] = 100.0  # two features 100x larger than the rest dominate the Hessian
+    return Z * scales, labels
+
+
+def _final_loss(kind: str, lr: float, feats, labels, steps: int = 300) -> float:
+    model = nn.Linear(feats.shape[1], int(labels.max()) + 1)
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    # max-change off: this compares the directions, not the step-size limits
+    opt = make_optimizer(kind, model, max_change_per_sample=0.0, max_param_change=0.0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        i = torch.randint(0, feats.shape[0], (64,), generator=gen)
+        F.cross_entropy(model(feats[i]), labels[i], reduction="sum").backward()
+        opt.step(lr)
+    with torch.no_grad():
+        loss = F.cross_entropy(model(feats), labels).item()
+    return loss if math.isfinite(loss) else math.inf
+
+
+def test_ngsgd_beats_sgd_on_badly_scaled_inputs():
+    feats, labels = _badly_scaled_problem()
+    grid = [1e-7, 3e-7, 1e-6, 3e-6, 1e-5, 3e-5]
+    best = {k: min(_final_loss(k, lr, feats, labels) for lr in grid) for k in ("sgd", "ngsgd")}
+    chance = math.log(4)
+    assert best["sgd"] > chance - 0.1  # SGD barely moves: its lr is set by the big features
+    assert best["ngsgd"] < best["sgd"] - 0.25
+
+
+def _train(model, opt, steps: int, seed: int, lr: float = 0.01):
+    gen = torch.Generator().manual_seed(seed)
+    stats = []
+    for _ in range(steps):
+        x = torch.randn(32, 10, generator=gen)
+        y = torch.randint(0, 5, (32,), generator=gen)
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        stats.append(opt.step(lr))
+    return stats
+
+
+def _small_dnn() -> DNN:
+    torch.manual_seed(0)
+    return DNN(10, 5, ModelConfig(hidden_layers=2, hidden_dim=16))
+
+
+def test_state_dict_round_trip_gives_identical_updates():
+    cfg = NGConfig(rank_in=4, rank_out=6)
+    model = _small_dnn()
+    opt = NGSGD(model, config=cfg)
+    _train(model, opt, 12, seed=0)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    twin = copy.deepcopy(model)
+    twin_opt = NGSGD(twin, config=cfg)
+    twin_opt.load_state_dict(state)
+    _train(model, opt, 6, seed=1)  # spans update and non-update steps
+    _train(twin, twin_opt, 6, seed=1)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    # A fresh optimizer (re-initialised Fisher estimates) would differ.
+    fresh = copy.deepcopy(twin)
+    _train(twin, twin_opt, 1, seed=2)
+    _train(fresh, NGSGD(fresh, config=cfg), 1, seed=2)
+    assert not torch.equal(twin.output.weight, fresh.output.weight)
+
+
+def test_nan_gradient_skips_step_and_keeps_fisher_state():
+    model = _small_dnn()
+    opt = NGSGD(model, config=NGConfig(rank_in=4, rank_out=6))
+    _train(model, opt, 3, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    t_before = opt.preconditioners[0][0].state.t
+    x = torch.randn(8, 10)
+    x[0, 0] = math.nan
+    F.cross_entropy(model(x), torch.zeros(8, dtype=torch.long), reduction="sum").backward()
+    stats = opt.step(0.01)
+    assert not stats.applied
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    assert opt.preconditioners[0][0].state.t == t_before
+    assert all(s.applied for s in _train(model, opt, 2, seed=3))  # and it carries on
+
+
+def test_ngsgd_updates_flat_buffer_views_in_place_and_needs_no_weight_grad():
+    model = _small_dnn()
+    flat = flatten_parameters([model])
+    snapshot = flat.clone()
+    opt = NGSGD(model, config=NGConfig(rank_in=4, rank_out=6))
+    _train(model, opt, 2, seed=0)
+    assert not torch.equal(flat, snapshot)
+    torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+
+
+def test_ngsgd_limits_a_huge_update_to_max_change():
+    torch.manual_seed(0)
+    model = nn.Linear(10, 5)
+    opt = NGSGD(model, config=NGConfig(rank_in=4, rank_out=3), max_change_per_sample=0.075,
+                max_param_change=0.0)
+    w0 = torch.cat([model.weight.detach().reshape(-1), model.bias.detach()]).clone()
+    x = torch.randn(16, 10) * 1e3
+    (F.cross_entropy(model(x), torch.zeros(16, dtype=torch.long), reduction="sum") * 1e3).backward()
+    stats = opt.step(1.0)
+    assert stats.applied and stats.scale < 1e-3
+    w1 = torch.cat([model.weight.detach().reshape(-1), model.bias.detach()])
+    # the per-frame bound caps the sum of per-frame norms, hence the update's norm
+    assert 0.01 < float(torch.linalg.norm(w1 - w0)) <= 0.075 * 16 * 1.0001
+
+
+def test_factory_names_choices_on_bad_name():
+    model = nn.Linear(3, 2)
+    assert isinstance(make_optimizer("sgd", model), SGD)
+    assert isinstance(make_optimizer("ngsgd", model), NGSGD)
+    with pytest.raises(UserError, match="'adam'.*sgd.*ngsgd"):
+        make_optimizer("adam", model)

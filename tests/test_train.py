@@ -1,0 +1,231 @@
+"""The trainer end to end: averaging, backends agreeing, resume, run directories, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from labavg import checkpoint
+from labavg.averaging import average_parameters, flatten_parameters
+from labavg.comm.inproc import run_inproc
+from labavg.config import DataConfig, TrainConfig, validate
+from labavg.data.dataset import open_dataset
+from labavg.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
+from labavg.model import DNN, ModelConfig
+from labavg.runs import read_events, read_summary, run_training
+from labavg.train import train
+
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A tiny built-in corpus (about 70 s of speech, 120 pdfs)."""
+    from labavg.data.synth import synthesize
+
+    out = tmp_path_factory.mktemp("corpus") / "synth"
+    synthesize(out, hours=0.02, seed=3)
+    return out
+
+
+def small_config(corpus: Path, out: Path, **changes) -> TrainConfig:
+    cfg = TrainConfig(
+        out=str(out), ranks=2, average_every=3, minibatch=64, epochs=2, lr=0.004,
+        checkpoint_every=2, tensorboard=False,
+        model=ModelConfig(hidden_layers=2, hidden_dim=48),
+        data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
+    )
+    return validate(replace(cfg, **changes))
+
+
+def final_params(run_dir: Path, rank: int = 0) -> torch.Tensor:
+    step, _ = checkpoint.latest_step(run_dir)
+    return checkpoint.load_rank_state(run_dir, step, rank)["params"]
+
+
+def test_flatten_parameters_makes_views_of_one_buffer():
+    model = DNN(10, 4, ModelConfig(hidden_layers=2, hidden_dim=8))
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = flatten_parameters([model])
+    assert flat.numel() == sum(p.numel() for p in model.parameters())
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    flat.zero_()
+    assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+
+
+def test_average_parameters_gives_mean_and_divergence():
+    bufs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])]
+
+    def work(comm):
+        buf = bufs[comm.rank].clone()
+        stats = average_parameters(buf, comm)
+        return buf, stats
+
+    (b0, s0), (b1, s1) = run_inproc(2, work)
+    assert torch.equal(b0, torch.tensor([2.0, 2.0, 2.0])) and torch.equal(b0, b1)
+    # rank 0 is sqrt(2) away from the mean, whose norm is sqrt(12)
+    assert s0.divergence == pytest.approx((2 ** 0.5) / (12 ** 0.5))
+    assert s1.divergence == pytest.approx(s0.divergence)
+
+
+def test_inproc_training_averages_ranks_into_one_model(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "run")
+    source = open_dataset(cfg.data.data)
+    events = list(train(cfg, source, Path(cfg.out)))
+    started = [e for e in events if isinstance(e, RunStarted)]
+    assert sorted(e.rank for e in started) == [0, 1]
+    assert started[0].effective_lr == pytest.approx(2 * cfg.lr)  # linear scaling, num_jobs 2
+    rounds = [e for e in events if isinstance(e, Averaged)]
+    steps = started[0].steps_per_epoch * cfg.epochs
+    # every 3rd minibatch plus each epoch end, on both ranks
+    expected = {s for s in range(1, steps + 1) if s % 3 == 0 or s % started[0].steps_per_epoch == 0}
+    assert {e.step for e in rounds if e.rank == 0} == expected
+    assert all(e.divergence > 0 for e in rounds)
+    # Both ranks hold the same model at the end
+    assert torch.equal(final_params(Path(cfg.out), 0), final_params(Path(cfg.out), 1))
+    epochs = [e for e in events if isinstance(e, EpochDone) and e.rank == 0]
+    assert len(epochs) == 2 and all(0 < e.cv_frame_accuracy < 1 for e in epochs)
+    losses = [e.loss for e in events if isinstance(e, MinibatchDone) and e.rank == 0]
+    assert sum(losses[-5:]) < sum(losses[:5])  # it learns
+
+
+def test_resume_matches_uninterrupted_run(corpus, tmp_path):
+    full = small_config(corpus, tmp_path / "full")
+    run_training(full, progress=False)
+
+    cut = small_config(corpus, tmp_path / "cut")
+    source = open_dataset(cut.data.data)
+    stream = train(cut, source, Path(cut.out))
+    saved = 0
+    for event in stream:
+        if isinstance(event, CheckpointSaved) and event.rank == 1:
+            saved += 1
+            if saved == 2:  # mid first epoch: a kill at a random point loses work after it
+                break
+    stream.close()
+    step, _ = checkpoint.latest_step(Path(cut.out))
+    assert 0 < step < read_summary(Path(full.out))["steps"]
+    (Path(cut.out) / "events.jsonl").touch()
+    run_training(replace(cut), resume=True, progress=False)
+    assert torch.equal(final_params(Path(cut.out)), final_params(Path(full.out)))
+
+
+def test_run_directory_and_speedup(corpus, tmp_path):
+    base = small_config(corpus, tmp_path / "r1", ranks=1)
+    run_training(base, progress=False)
+    par = small_config(corpus, tmp_path / "r2", ranks=2)
+    summary = run_training(par, progress=False)
+    on_disk = read_summary(tmp_path / "r2")
+    assert summary == on_disk
+    for key in ("ranks", "backend", "average_every", "optimizer", "minibatch", "epochs",
+                "frames_trained", "averaging_rounds", "cv_frame_accuracy", "cv_loss",
+                "wall_seconds", "compute_seconds", "comm_seconds"):
+        assert key in on_disk
+    assert on_disk["ranks"] == 2 and on_disk["frames_trained"] == on_disk["steps"] * 64 * 2
+    baseline = read_summary(tmp_path / "r1")
+    assert on_disk["speedup"] == pytest.approx(baseline["wall_seconds"] / on_disk["wall_seconds"])
+    assert on_disk["parallel_efficiency"] == pytest.approx(on_disk["speedup"] / 2)
+    types = {e["type"] for e in read_events(tmp_path / "r2")}
+    assert {"run_started", "minibatch", "average", "epoch", "checkpoint", "run_finished"} <= types
+    assert json.loads((tmp_path / "r2" / "config.json").read_text())["ranks"] == 2
+
+
+def _cli(*args, cwd=None, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "labavg", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+SMALL = ["--minibatch", "64", "--epochs", "1", "--hidden-layers", "1", "--hidden-dim", "32",
+         "--context", "2", "--average-every", "3", "--no-progress", "--set", "tensorboard=false",
+         "--set", "data.buffer_frames=2048"]
+
+
+def test_mpi_ranks_match_inproc_workers(corpus, tmp_path):
+    """2 real MPI ranks (mpiexec started by the CLI) and 2 simulated workers: same parameters."""
+    common = ["--data", str(corpus), "--ranks", "2", *SMALL]
+    mpi = _cli("train", *common, "--backend", "mpi", "--out", str(tmp_path / "mpi"))
+    assert mpi.returncode == 0, mpi.stderr
+    inproc = _cli("train", *common, "--backend", "inproc", "--out", str(tmp_path / "inproc"))
+    assert inproc.returncode == 0, inproc.stderr
+    a, b = final_params(tmp_path / "mpi"), final_params(tmp_path / "inproc")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ranks = {e["rank"] for e in read_events(tmp_path / "mpi") if e["type"] == "average"}
+    assert ranks == {0, 1}
+    assert "| 2 |" in mpi.stdout  # the results table
+
+
+def test_torchrun_ranks_match_inproc_workers(corpus, tmp_path):
+    torchrun = Path(PYTHON).parent / "torchrun"
+    common = ["--data", str(corpus), "--ranks", "2", *SMALL]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+         "0" if False else str(29500 + os.getpid() % 1000), "-m", "labavg", "train", *common,
+         "--backend", "torch", "--out", str(tmp_path / "torch")],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    inproc = _cli("train", *common, "--backend", "inproc", "--out", str(tmp_path / "inproc"))
+    assert inproc.returncode == 0, inproc.stderr
+    torch.testing.assert_close(final_params(tmp_path / "torch"), final_params(tmp_path / "inproc"),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "/nonexistent/data"], "/nonexistent/data"),
+        (["--lr", "-1"], "lr must be positive"),
+        (["--backend", "carrier-pigeon"], "backend must be one of"),
+        (["--ranks", "1000"], "1000"),
+        (["--set", "model.widht=3"], "model.widht"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_message(corpus, tmp_path, args, message):
+    full = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), *SMALL, *args]
+    proc = _cli(*full)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_cli_bad_config_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("ranks = 2\n[model]\nhidden_dim = 'wide'\n")
+    proc = _cli("train", str(bad))
+    assert proc.returncode == 2 and "model.hidden_dim" in proc.stderr and str(bad) in proc.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("ranks = = 2\n")
+    proc = _cli("train", str(broken))
+    assert proc.returncode == 2 and "line 1" in proc.stderr
+
+
+def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path):
+    args = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), *SMALL, "--ranks", "1"]
+    assert _cli(*args).returncode == 0
+    again = _cli(*args)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    info = _cli("info", str(tmp_path / "run"))
+    assert info.returncode == 0 and "| 1 |" in info.stdout
+
+
+def test_config_file_and_flags(tmp_path):
+    from labavg.cli import build_parser, train_config
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('ranks = 4\noptimizer = "ngsgd"\n[model]\nhidden_dim = 256\n'
+                        '[ngsgd]\nrank_in = 10\n')
+    args = build_parser().parse_args(["train", str(cfg_file), "--ranks", "8", "--set", "lr=0.01"])
+    cfg = train_config(args)
+    assert (cfg.ranks, cfg.optimizer, cfg.model.hidden_dim, cfg.ngsgd.rank_in, cfg.lr) == (
+        8, "ngsgd", 256, 10, 0.01)
