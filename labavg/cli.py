@@ -48,6 +48,11 @@ TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--checkpoint-every": ("checkpoint_every", int, "averaging rounds between checkpoints"),
 }
 
+BOOL_FLAGS: dict[str, tuple[str, str]] = {
+    "--skip-mismatched": ("data.skip_mismatched", "drop utterances missing features or alignments"),
+    "--norm-vars": ("data.norm_vars", "CMVN normalises variances too (apply-cmvn --norm-vars)"),
+}
+
 
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
@@ -58,6 +63,8 @@ def _add_train_parser(sub) -> None:
     p.add_argument("config", nargs="?", help="TOML configuration file")
     for flag, (_, kind, text) in TRAIN_FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=text)
+    for flag, (key, text) in BOOL_FLAGS.items():
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
@@ -131,6 +138,8 @@ def train_config(args: argparse.Namespace):
     overrides = {key: getattr(args, flag[2:].replace("-", "_"))
                  for flag, (key, _, _) in TRAIN_FLAGS.items()
                  if getattr(args, flag[2:].replace("-", "_")) is not None}
+    overrides.update({key: True for flag, (key, _) in BOOL_FLAGS.items()
+                      if getattr(args, flag[2:].replace("-", "_"))})
     overrides.update(_parse_set(args.set))
     if args.resume:
         overrides["out"] = args.resume

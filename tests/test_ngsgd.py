@@ -60,13 +60,13 @@ def test_fisher_estimate_recovers_top_eigendirections():
     R, d, rho = est.fisher()
     assert torch.allclose(R @ R.T, torch.eye(rank, dtype=torch.float64), atol=1e-4)
     true_top = Q[:, :top].T
-    assert _max_sin_angle(R[:top], true_top) < 0.15
+    assert _max_sin_angle(R[:top], true_top) < 0.05  # ~0.13 after the first minibatch
     # A random subspace is far off, so the check above can fail.
     assert _max_sin_angle(_orthonormal(dim, gen)[:top], true_top) > 0.5
     # Each direction's variance d_i + rho is near the true eigenvalue, sorted largest first.
-    torch.testing.assert_close(d[:top] + rho, spectrum[:top], rtol=0.3, atol=0.0)
+    torch.testing.assert_close(d[:top] + rho, spectrum[:top], rtol=0.1, atol=0.0)
     # tr(F) tracks tr(covariance): F's trace is kept equal to the smoothed scatter's.
-    assert float(d.sum()) + dim * rho == pytest.approx(float(spectrum.sum()), rel=0.2)
+    assert float(d.sum()) + dim * rho == pytest.approx(float(spectrum.sum()), rel=0.05)
 
 
 @pytest.mark.parametrize("updating", [False, True])
