@@ -38,27 +38,59 @@ class AverageStats:
     """One averaging round seen from one rank.
 
     `divergence` is this rank's RMS distance from the average relative to the RMS of the
-    average, measured just before averaging. `finite` is False when some rank's parameters
-    were not finite: then nobody's parameters were changed.
+    average, measured just before averaging. `dropped` counts the ranks whose parameters were
+    not finite and were left out of the mean (they take the average like everyone else);
+    `finite` says whether this rank was one of them. `stop` is True when any rank asked to stop.
     """
 
     divergence: float
     comm_seconds: float
     finite: bool = True
+    dropped: int = 0
+    stop: bool = False
 
 
-def average_parameters(flat: torch.Tensor, comm: Communicator) -> AverageStats:
-    """Replace `flat` on every rank with the mean over ranks (in place)."""
-    if comm.size == 1:
-        return AverageStats(divergence=0.0, comm_seconds=0.0)
-    before = flat.clone()
+def average_parameters(
+    flat: torch.Tensor,
+    comm: Communicator,
+    *,
+    stop: bool = False,
+    fallback: torch.Tensor | None = None,
+) -> AverageStats:
+    """Replace `flat` on every rank with the mean over ranks (in place).
+
+    Before the parameters, the ranks exchange two numbers (one tiny allreduce): how many of
+    them hold non-finite parameters, and whether any wants to stop. A non-finite rank
+    contributes zeros and the mean is taken over the finite ranks, so one diverged worker
+    never poisons the averaged model. If no rank is finite, every rank restores `fallback`
+    (the previous average) when given, else FloatingPointError is raised on every rank.
+    """
     start = time.perf_counter()
+    finite = bool(torch.isfinite(flat).all())
+    control = torch.tensor([0.0 if finite else 1.0, 1.0 if stop else 0.0], dtype=torch.float64)
+    comm.allreduce_mean(control)
+    dropped = round(control[0].item() * comm.size)
+    agreed_stop = control[1].item() > 0
+    if dropped == comm.size:
+        if fallback is None:
+            raise FloatingPointError("the parameters of every rank are non-finite")
+        flat.copy_(fallback)
+        return AverageStats(0.0, time.perf_counter() - start, finite, dropped, agreed_stop)
+    if comm.size == 1:
+        return AverageStats(0.0, time.perf_counter() - start, finite, dropped, agreed_stop)
+    if not finite:
+        flat.zero_()
+    before = flat.clone()
     comm.allreduce_mean(flat)
+    if dropped:
+        flat.mul_(comm.size / (comm.size - dropped))
     seconds = time.perf_counter() - start
-    avg_norm = torch.linalg.vector_norm(flat).item()
-    dist = torch.linalg.vector_norm(before - flat).item()
-    divergence = dist / avg_norm if avg_norm > 0 else 0.0
-    return AverageStats(divergence=divergence, comm_seconds=seconds)
+    divergence = 0.0
+    if finite:
+        avg_norm = torch.linalg.vector_norm(flat).item()
+        dist = torch.linalg.vector_norm(before - flat).item()
+        divergence = dist / avg_norm if avg_norm > 0 else 0.0
+    return AverageStats(divergence, seconds, finite, dropped, agreed_stop)
 
 
 def broadcast_parameters(flat: torch.Tensor, comm: Communicator, root: int = 0) -> None:

@@ -154,7 +154,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
         # Start mpiexec ourselves; the ranks see the launcher and train.
         command = mpiexec_command(cfg.ranks, ["-m", "labavg", *sys.argv[1:]], hosts=args.hosts)
-        return subprocess.call(command)
+        code = subprocess.call(command)
+        if code != 0:
+            print(f"labavg: error: the MPI job failed (exit status {code}); "
+                  f"{_last_steps(Path(cfg.out))}", file=sys.stderr)
+        return code
     if cfg.backend == "torch" and detect_launcher() != "torch":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
     summary = run_training(cfg, resume=bool(args.resume), progress=not args.no_progress)
@@ -162,6 +166,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
     return 0
+
+
+def _last_steps(run_dir: Path) -> str:
+    """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
+    from labavg.runs import EVENTS, read_events
+
+    if not (run_dir / EVENTS).is_file():
+        return "no rank logged any event"
+    last: dict[int, int] = {}
+    for event in read_events(run_dir):
+        if "step" in event:
+            last[event["rank"]] = max(last.get(event["rank"], 0), event["step"])
+    return ", ".join(f"rank {r} last event at step {s}" for r, s in sorted(last.items()))
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.errors import UserError
+from labavg.faults import parse_fault
 from labavg.model import NONLINEARITIES, ModelConfig
 from labavg.optim.ngsgd import NGConfig
 from labavg.rbm import RBMConfig
@@ -74,6 +75,7 @@ class TrainConfig:
     checkpoint_every: int = 50  # averaging rounds between checkpoints (and at each epoch end)
     log_every: int = 1  # minibatches between per-minibatch events
     tensorboard: bool = True
+    inject_fault: str | None = None  # e.g. "nan@rank1:step20" (labavg.faults)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ngsgd: NGConfig = field(default_factory=NGConfig)
@@ -219,6 +221,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.pretrain == "rbm" and cfg.model.nonlinearity != "sigmoid":
         raise UserError("pretrain = 'rbm' initialises sigmoid layers; set model.nonlinearity = 'sigmoid'")
+    if cfg.inject_fault is not None:
+        fault = parse_fault(cfg.inject_fault)
+        if fault.kind == "kill" and cfg.backend == "inproc":
+            raise UserError("inject_fault 'kill' needs processes: use backend 'mpi' or 'torch'")
+        if fault.rank >= cfg.ranks:
+            raise UserError(f"inject_fault names rank {fault.rank} but the run has {cfg.ranks} ranks")
     if cfg.data.context < 0:
         raise UserError(f"data.context must be >= 0; got {cfg.data.context}")
     if not 0 <= cfg.data.cv_fraction < 1:

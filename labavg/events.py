@@ -117,3 +117,4 @@ class RunFinished(Event):
     frames_trained: int  # over all ranks
     cv_loss: float
     cv_frame_accuracy: float
+    stopped: bool = False  # True when stopped on request before the planned end

@@ -153,6 +153,7 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "wall_seconds": finished.wall_seconds,
         "compute_seconds": finished.compute_seconds,
         "comm_seconds": finished.comm_seconds,
+        "stopped": finished.stopped,
         "comm_fraction": finished.comm_seconds / max(finished.compute_seconds + finished.comm_seconds, 1e-12),
         "speedup": None,
         "parallel_efficiency": None,
@@ -175,6 +176,7 @@ def run_training(
     resume: bool = False,
     on_event: Callable[[Event], None] | None = None,
     progress: bool = True,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any] | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
 
@@ -196,7 +198,7 @@ def run_training(
     summary = None
     bar = None
     try:
-        for event in train(cfg, source, run_dir, resume):
+        for event in train(cfg, source, run_dir, resume, should_stop=should_stop):
             if event.rank not in logs:
                 if event.rank == 0 and not resume:
                     atomic_write_text(run_dir / CONFIG, json.dumps(to_dict(cfg), indent=2) + "\n")

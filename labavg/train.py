@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,9 @@ from labavg.averaging import average_parameters, broadcast_parameters, flatten_p
 from labavg.comm.base import Communicator
 from labavg.config import TrainConfig, to_dict
 from labavg.data.base import UtteranceSource
+from labavg.errors import UserError
 from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
+from labavg.faults import apply_fault, parse_fault
 from labavg.events import (
     Averaged,
     CheckpointSaved,
@@ -137,16 +139,20 @@ def train_rank(
     run_dir: Path | None = None,
     resume: bool = False,
     device: torch.device | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[Event]:
     """One rank's training run, as a stream of events (see labavg.events).
 
     All ranks run this in lockstep: the same number of minibatches per epoch, averaging after
     every K-th minibatch and at each epoch end. Checkpoints go to `run_dir` when given.
+    `should_stop` is polled at every averaging round; when it is true on any rank, all ranks
+    stop together after that round (with a checkpoint, so the run can be resumed).
     """
     wall_start = time.perf_counter()
     device = device or torch.device(cfg.device if cfg.device != "auto" else "cpu")
     rank, size = comm.rank, comm.size
     K = cfg.averaging_interval()
+    fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
 
     # Data: the same CV split and shards on every rank, computed locally.
     train_keys, cv_keys = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
@@ -198,8 +204,11 @@ def train_rank(
     )
 
     cv_loss = cv_acc = math.nan
+    cv_step = -1
     round_compute, round_frames = 0.0, 0
-    while step < total_steps:
+    last_average = flat.clone()  # restored if every rank ever diverges at once
+    stopped = False
+    while step < total_steps and not stopped:
         epoch, start = divmod(step, num_steps)
         epoch_start_time = time.perf_counter()
         accepted_params = flat.clone() if cfg.schedule == "newbob" else None
@@ -221,28 +230,44 @@ def train_rank(
                 )
             if not result.stats.applied:
                 yield Message(rank=rank, step=step, text="non-finite update skipped")
+            apply_fault(fault, rank, step, flat)
             end_of_epoch = step % num_steps == 0
             if step % K == 0 or end_of_epoch:
-                avg = average_parameters(flat, comm)
+                wants_stop = should_stop is not None and should_stop()
+                avg = average_parameters(flat, comm, stop=wants_stop, fallback=last_average)
+                last_average.copy_(flat)
                 rounds += 1
                 totals["comm"] += avg.comm_seconds
+                if not avg.finite:
+                    yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
+                                  "average; this rank restarts from the averaged model")
                 yield Averaged(
                     rank=rank, round=rounds, step=step, divergence=avg.divergence,
                     compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
                     frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
                 )
                 round_compute, round_frames = 0.0, 0
+                if avg.stop and not end_of_epoch:
+                    stopped = True
+                    yield Message(rank=rank, step=step, text="stopped on request")
+                    if run_dir is not None:
+                        yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+                    break
                 if run_dir is not None and not end_of_epoch and rounds % cfg.checkpoint_every == 0:
                     yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+        if stopped:
+            break
 
         # Epoch end: every rank holds the averaged model; evaluate it on the CV set.
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
+        cv_step = step
         accepted, stop = True, False
         if newbob is not None:
             decision = newbob_step(newbob, _newbob_value(cfg, cv_loss, cv_acc), cfg.newbob)
             accepted, stop, newbob = decision.accept, decision.stop, decision.state
             if not accepted:
                 flat.copy_(accepted_params)
+                last_average.copy_(flat)
         loss_sum, correct, frames = epoch_sums.tolist()
         yield EpochDone(
             rank=rank, epoch=epoch, step=step, train_loss=loss_sum / max(frames, 1),
@@ -253,15 +278,19 @@ def train_rank(
         if stop:
             yield Message(rank=rank, step=step, text="Newbob schedule stopped training")
             total_steps = step
+        if avg.stop:
+            stopped = True
+            yield Message(rank=rank, step=step, text="stopped on request")
         if run_dir is not None:
             yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
 
-    if math.isnan(cv_loss):  # resumed at the very end: report the final model's CV anyway
+    if cv_step != step:  # stopped mid-epoch or resumed at the end: CV of the final model
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
     yield RunFinished(
         rank=rank, step=step, wall_seconds=time.perf_counter() - wall_start,
         compute_seconds=totals["compute"], comm_seconds=totals["comm"], averaging_rounds=rounds,
         frames_trained=step * cfg.minibatch * size, cv_loss=cv_loss, cv_frame_accuracy=cv_acc,
+        stopped=stopped,
     )
 
 
@@ -294,6 +323,7 @@ def train(
     source: UtteranceSource,
     run_dir: Path | None = None,
     resume: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[Event]:
     """Run training on the configured backend and yield the events of the ranks it can see.
 
@@ -307,10 +337,22 @@ def train(
         from labavg.comm.world import select_device
 
         device = select_device(cfg.device, 0)
-        yield from iterate_inproc(cfg.ranks, train_rank, cfg, source, run_dir, resume, device)
+        yield from iterate_inproc(
+            cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop
+        )
         return
     from labavg.comm.world import open_communicator, select_device
 
     comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)
     device = select_device(cfg.device, comm.local_rank)
-    yield from train_rank(comm, cfg, source, run_dir, resume, device)
+    try:
+        yield from train_rank(comm, cfg, source, run_dir, resume, device, should_stop)
+    except (UserError, GeneratorExit):
+        # Data and configuration errors arise identically on every rank: each exits cleanly.
+        raise
+    except BaseException as exc:
+        # The other ranks would wait forever in their next collective: end the whole job.
+        comm.abort(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        comm.close()

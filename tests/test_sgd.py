@@ -6,6 +6,7 @@ import copy
 import io
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,8 +61,6 @@ def test_huge_gradient_is_limited_by_per_sample_max_change():
 
 
 def pytest_approx(value: float):
-    import pytest
-
     return pytest.approx(value, rel=1e-4)
 
 

@@ -69,6 +69,13 @@ class MpiCommunicator:
         if self.size > 1:
             self._comm.Barrier()
 
+    def abort(self, reason: str) -> None:
+        """End every rank of the job (MPI_Abort): the others may be blocked in a collective."""
+        import sys
+
+        print(f"labavg: {reason}; aborting all {self.size} MPI ranks", file=sys.stderr, flush=True)
+        self._comm.Abort(1)
+
     def close(self) -> None:
         """Drop the staging buffer; mpi4py finalizes MPI itself at interpreter exit."""
         self._staging = None

@@ -66,6 +66,14 @@ class TorchDistCommunicator:
         else:
             self._dist.barrier()
 
+    def abort(self, reason: str) -> None:
+        """Exit this process at once; torchrun then ends the other ranks of the job."""
+        import os
+        import sys
+
+        print(f"labavg: {reason}; exiting so torchrun ends the job", file=sys.stderr, flush=True)
+        os._exit(1)
+
     def close(self) -> None:
         """Destroy the process group if this communicator created it (torch warns otherwise)."""
         if self._owns_group and self._dist.is_initialized():

@@ -54,6 +54,9 @@ class SingleCommunicator:
     def barrier(self) -> None:
         """Nobody else to wait for."""
 
+    def abort(self, reason: str) -> None:
+        """Nothing to end: one process, no peers waiting."""
+
     def close(self) -> None:
         """Nothing to release."""
 

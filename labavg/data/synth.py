@@ -610,6 +610,8 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
         raise UserError(f"hours must be a positive number, got {hours!r}")
     if sample_rate < 8000:
         raise UserError(f"sample_rate must be at least 8000 Hz, got {sample_rate!r}")
+    if lexicon_size < 30:  # fewer words could leave some phones out of the lexicon
+        raise UserError(f"lexicon_size must be at least 30, got {lexicon_size!r}")
     if num_speakers is not None and num_speakers < 1:
         raise UserError(f"num_speakers must be at least 1, got {num_speakers!r}")
     if snr_db[0] > snr_db[1] or coarticulation_ms[0] > coarticulation_ms[1] or coarticulation_ms[0] <= 0:

@@ -1,0 +1,116 @@
+"""The labavg dashboard: live plots of a training run, past runs, scaling.
+
+    panel serve dashboard/app.py --args --runs-dir runs --data corpus   # http://localhost:5006/app
+    labavg dashboard                                                    # the same, via serve()
+
+In JupyterLab: `from dashboard.app import create_app; create_app(runs_dir="runs")` shows it inline.
+Composition only; the state lives in dashboard.state, the pieces in dashboard.components.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if __name__.startswith("bokeh"):
+    # `panel serve dashboard/app.py` runs this file as a script: put the repository on the path.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import panel as pn  # noqa: E402
+
+from dashboard.components import LivePlots, RunControls, RunsView, settings_panel  # noqa: E402
+from dashboard.state import LiveRun, RunSettings, RunTable  # noqa: E402
+
+TITLE = "labavg · periodic model averaging"
+UPDATE_MS = 500  # the page is refreshed twice a second
+_TABLE_EVERY_TICKS = 10  # rescan the runs directory every 5 s while a run is on
+
+
+class Dashboard:
+    """The state objects and components of one browser session (or one notebook cell)."""
+
+    def __init__(self, runs_dir: str = "runs", data: str = "corpus") -> None:
+        self.settings = RunSettings(runs_dir=runs_dir, data=data)
+        self.live = LiveRun()
+        self.table = RunTable(runs_dir=runs_dir)
+        self.plots = LivePlots(self.live)
+        self.runs = RunsView(self.table)
+        self.controls = RunControls(self.settings, self.live)
+        self.settings.param.watch(lambda e: setattr(self.table, "runs_dir", e.new), "runs_dir")
+        self.table.param.watch(lambda _: self.runs.refresh(), "runs_dir")
+        self.live.param.watch(lambda _: self.runs.refresh(), "running")
+        self._ticks = 0
+        self.runs.refresh()
+
+    def tick(self) -> None:
+        """The periodic update: drain the run's events into the plots, rescan runs now and then."""
+        self.live.drain()
+        self.plots.update()
+        self._ticks += 1
+        if self.live.running and self._ticks % _TABLE_EVERY_TICKS == 0:
+            self.runs.refresh()
+
+    def view(self) -> pn.template.FastListTemplate:
+        """The page: settings in the sidebar; live plots, runs and scaling in tabs."""
+        p = self.plots.panes
+        live = pn.Column(
+            pn.Row(p["loss"], p["divergence"], sizing_mode="stretch_width"),
+            pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+        )
+        runs = pn.Column(
+            pn.Row(pn.pane.Markdown("Tick runs to overlay them below.", margin=(8, 10)),
+                   pn.layout.HSpacer(), self.runs.refresh_button, self.runs.download),
+            self.runs.tabulator, self.runs.overlay, sizing_mode="stretch_width",
+        )
+        scaling = pn.Column(
+            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same configuration / "
+                             "wall time with N ranks; efficiency = speedup / N.", margin=(8, 10)),
+            self.runs.scaling, sizing_mode="stretch_width",
+        )
+        tabs = pn.Tabs(("Live", live), ("Runs", runs), ("Scaling", scaling), dynamic=False,
+                       sizing_mode="stretch_width")
+        return pn.template.FastListTemplate(
+            title=TITLE,
+            sidebar=[self.controls.buttons(), settings_panel(self.settings)],
+            main=[pn.Column(self.controls.status, self.controls.run_config, tabs, sizing_mode="stretch_width")],
+            sidebar_width=330, header_background="#2f4f6f", accent_base_color="#2f4f6f",
+            main_layout=None,
+        )
+
+
+def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = "corpus",
+               period_ms: int = UPDATE_MS) -> pn.template.FastListTemplate:
+    """A servable dashboard page with its periodic update running (usable inline in JupyterLab)."""
+    pn.extension("tabulator", notifications=False)
+    dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
+    page = dashboard.view()
+    pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
+    page.dashboard = dashboard  # for tests and notebooks: the state behind the page
+    return page
+
+
+def serve(port: int = 5006, open_browser: bool = True, runs_dir: str | os.PathLike = "runs",
+          address: str = "127.0.0.1", data: str | os.PathLike = "corpus", **kwargs: Any) -> None:
+    """Serve the dashboard until interrupted (localhost only unless `address` says otherwise).
+
+    Extra keyword arguments go to `panel.serve` (e.g. basic_auth="...", websocket_origin=[...]).
+    """
+    origins = kwargs.pop("websocket_origin", [f"localhost:{port}", f"127.0.0.1:{port}", f"{address}:{port}"])
+    pn.serve({"app": lambda: create_app(runs_dir=runs_dir, data=data)}, port=port, address=address,
+             show=open_browser, title=TITLE, websocket_origin=origins, **kwargs)
+
+
+def _script_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="panel serve dashboard/app.py --args")
+    parser.add_argument("--runs-dir", default=os.environ.get("LABAVG_RUNS_DIR", "runs"))
+    parser.add_argument("--data", default=os.environ.get("LABAVG_DATA", "corpus"))
+    return parser.parse_known_args(argv)[0]
+
+
+if __name__.startswith("bokeh"):
+    _args = _script_args(sys.argv[1:])
+    create_app(runs_dir=_args.runs_dir, data=_args.data).servable(title=TITLE)

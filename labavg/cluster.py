@@ -1,0 +1,571 @@
+"""An ipyparallel cluster of MPI engines that runs `labavg.runs.run_training` on every rank.
+
+Used by notebooks and the dashboard; it never re-implements training. The pieces:
+
+* `Cluster.start(n)` starts an ipyparallel controller and `n` engines under the venv's MPICH
+  `mpiexec` (engines="mpi"), all on 127.0.0.1; `Cluster.attach()` connects to a running
+  `ipcluster start --engines=mpi`. Every engine reports its MPI rank and binds its device by
+  local rank (`labavg.comm.world.select_device`); `cluster.view` is a DirectView in rank order.
+* `cluster.submit(cfg)` sends the config as a plain dict to every engine, which runs
+  `run_training` in a background thread (the engine stays free for `stop()` and `%px`) and
+  streams its events back as ipyparallel data messages (datapub). The returned `RunHandle`
+  polls them, detects gaps, watches for dead or silent engines, and waits for the summary.
+
+Data messages: the client keeps only the latest value per key of each request's data, so
+each batch of events goes under its own key `<run>/<seq>` and the client reassembles the
+sequence (a missing sequence number is a gap). `<run>/alive` is a heartbeat that the engine's
+publisher thread refreshes every `heartbeat` seconds even while training is stuck in a
+collective, so a silent heartbeat means a dead or frozen process, not a slow step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from labavg.config import TrainConfig, to_dict
+from labavg.errors import UserError
+
+ALIVE = "alive"
+_RUNS_KEY = "_labavg_runs"  # name of the engine-namespace dict holding an engine's runs
+_POLL_SECONDS = 0.05
+
+
+class RunError(RuntimeError):
+    """A run failed on an engine: `rank` names it, `step` is the step of its last event."""
+
+    def __init__(self, message: str, rank: int, step: int | None, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.remote_traceback = remote_traceback
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine side: these functions run inside the engines (sent by reference, as labavg is
+# importable there); their state lives in the engine's user namespace, like a %px variable.
+
+
+def _engine_namespace() -> dict[str, Any]:
+    from IPython import get_ipython
+
+    return get_ipython().user_ns
+
+
+def bind_engine(device: str) -> dict[str, Any]:
+    """On an engine: MPI rank, local rank and the bound device (collective over COMM_WORLD).
+
+    Also sets `rank`, `size`, `local_rank` and `device` in the engine's namespace for %px cells.
+    """
+    import torch
+
+    from labavg.comm.mpi import MpiCommunicator
+    from labavg.comm.world import select_device
+
+    comm = MpiCommunicator()
+    bound = select_device(device, comm.local_rank)
+    if bound.type == "cuda":
+        torch.cuda.set_device(bound)
+    _engine_namespace().update(rank=comm.rank, size=comm.size, local_rank=comm.local_rank, device=bound)
+    return {"rank": comm.rank, "size": comm.size, "local_rank": comm.local_rank,
+            "host": socket.gethostname(), "pid": os.getpid(), "device": str(bound)}
+
+
+class EngineRun:
+    """One engine's part of a run: a training thread and a publisher thread.
+
+    The publisher sends `ZMQDataPublisher.publish_data` messages (what
+    `ipyparallel.datapub.publish_data` sends) with the parent header of the submitting request
+    pinned: the shell's own publisher re-parents to whatever request the engine handles next
+    (a stop, a %px cell), which would file later events under that request instead.
+    """
+
+    def __init__(self, run_id: str, cfg_dict: dict[str, Any], rank: int, heartbeat: float):
+        from ipyparallel.engine.datapub import ZMQDataPublisher
+        from IPython import get_ipython
+
+        kernel = get_ipython().kernel
+        self.run_id, self.rank, self.heartbeat = run_id, rank, heartbeat
+        self.cfg_dict = cfg_dict
+        self.stop_requested = threading.Event()
+        self._publisher = ZMQDataPublisher(session=kernel.session, pub_socket=kernel.iopub_socket)
+        self._publisher.set_parent(kernel.get_parent("shell"))
+        self._cond = threading.Condition()
+        self._pending: list[dict[str, Any]] = []
+        self._final: dict[str, Any] | None = None
+        self._threads = [
+            threading.Thread(target=self._train, name=f"labavg-train-{run_id}", daemon=True),
+            threading.Thread(target=self._publish, name=f"labavg-publish-{run_id}", daemon=True),
+        ]
+
+    def start(self) -> None:
+        """Start training and publishing."""
+        for thread in self._threads:
+            thread.start()
+
+    def alive(self) -> bool:
+        """Whether the run's threads are still going."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    def _on_event(self, event) -> None:
+        record = event.to_dict()
+        record["t_created"] = time.time()
+        with self._cond:
+            self._pending.append(record)
+            self._cond.notify()
+
+    def _train(self) -> None:
+        from labavg.config import config_from_dict
+        from labavg.runs import run_training
+
+        try:
+            cfg = config_from_dict(self.cfg_dict, "submitted config")
+            summary = run_training(cfg, progress=False, on_event=self._on_event,
+                                   should_stop=self.stop_requested.is_set)
+            final = {"status": "done", "summary": summary}
+        except BaseException as exc:  # noqa: BLE001 - reported to the client, which raises it
+            final = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                     "traceback": traceback.format_exc()}
+        with self._cond:
+            self._final = final
+            self._cond.notify()
+
+    def _publish(self) -> None:
+        seq = beat = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._final is not None, self.heartbeat)
+                events, self._pending = self._pending, []
+                final = self._final
+            beat += 1
+            data: dict[str, Any] = {
+                f"{self.run_id}/{ALIVE}": {"rank": self.rank, "beat": beat, "seq": seq, "t": time.time()}
+            }
+            if events or final is not None:
+                data[f"{self.run_id}/{seq:09d}"] = {"rank": self.rank, "seq": seq, "events": events,
+                                                    "final": final, "t_sent": time.time()}
+                seq += 1
+            self._publisher.publish_data(data)
+            if final is not None:
+                return
+
+
+def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float) -> dict[str, Any]:
+    """On an engine: start this rank's part of run `run_id` in the background and return at once."""
+    from mpi4py import MPI
+
+    runs = _engine_namespace().setdefault(_RUNS_KEY, {})
+    busy = [rid for rid, run in runs.items() if run.alive()]
+    if busy:
+        raise RuntimeError(f"run {busy[0]} is still running on this engine")
+    rank = MPI.COMM_WORLD.Get_rank()
+    run = runs[run_id] = EngineRun(run_id, cfg_dict, rank, heartbeat)
+    run.start()
+    return {"rank": rank, "pid": os.getpid(), "run_id": run_id}
+
+
+def request_stop(run_id: str) -> bool:
+    """On an engine: ask run `run_id` to stop at its next averaging point; False if unknown."""
+    run = _engine_namespace().get(_RUNS_KEY, {}).get(run_id)
+    if run is None:
+        return False
+    run.stop_requested.set()
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side.
+
+
+def mpi_launcher_config(extra_args: list[str] | None = None):
+    """traitlets Config making ipyparallel's MPI engine launcher run the venv's MPICH locally.
+
+    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, the
+    LOOPBACK_MPICH_ENV settings keep rank traffic on 127.0.0.1, and `-disable-auto-cleanup`
+    lets hydra leave the other ranks alone when one dies, so the client can name the dead rank
+    (`RunHandle` then kills the stuck survivors itself).
+    """
+    from traitlets.config import Config
+
+    from labavg.comm.world import LOOPBACK_MPICH_ENV, find_mpiexec
+
+    mpiexec = find_mpiexec()
+    args: list[str] = []
+    if (mpiexec.parent / "hydra_pmi_proxy").exists():  # MPICH's hydra, as comm.world checks
+        args += ["-launcher", "fork", "-disable-auto-cleanup"]
+        for name, value in LOOPBACK_MPICH_ENV.items():
+            args += ["-genv", name, value]
+    config = Config()
+    config.MPIEngineSetLauncher.mpi_cmd = [str(mpiexec)]
+    config.MPIEngineSetLauncher.mpi_args = args + list(extra_args or [])
+    return config
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal_pids(pids: list[int], grace: float = 3.0) -> None:
+    """SIGTERM the processes, then SIGKILL whatever is left after `grace` seconds."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            procs.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+class Cluster:
+    """A client on an ipyparallel cluster of MPI engines, with engines listed in rank order."""
+
+    def __init__(self, ipp_cluster, client, *, device: str = "auto", owned: bool = True,
+                 timeout: float = 120.0):
+        self._ipp = ipp_cluster
+        self.client = client
+        self.device = device
+        self._owned = owned
+        self._timeout = timeout
+        self._infos: list[dict[str, Any]] = []
+        self._run: RunHandle | None = None
+        self._retired: set[int] = set()  # engine ids of killed engines (may linger in client.ids)
+        self._pids: set[int] = set()  # every process this cluster started (for shutdown checks)
+
+    # -- starting and attaching
+
+    @classmethod
+    def start(cls, n: int, *, profile: str | None = None, device: str = "auto",
+              timeout: float = 120.0, **kw) -> Cluster:
+        """Start a controller and `n` MPI engines on this machine (127.0.0.1 only).
+
+        Extra keywords go to `ipyparallel.Cluster` (e.g. `profile_dir`, `log_level`).
+        """
+        import ipyparallel as ipp
+
+        if n < 1:
+            raise UserError(f"number of engines must be at least 1, got {n}")
+        if profile is not None:
+            kw["profile"] = profile
+        config = kw.pop("config", None) or mpi_launcher_config()
+        ipp_cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1", config=config, **kw)
+        client = ipp_cluster.start_and_connect_sync()
+        cluster = cls(ipp_cluster, client, device=device, owned=True, timeout=timeout)
+        try:
+            cluster._bind(n)
+        except BaseException:
+            cluster.shutdown()
+            raise
+        return cluster
+
+    @classmethod
+    def attach(cls, profile: str = "default", cluster_id: str = "", *, device: str = "auto",
+               timeout: float = 120.0, **kw) -> Cluster:
+        """Connect to a running `ipcluster start --engines=mpi [--profile=...] [--cluster-id=...]`.
+
+        `shutdown()` of an attached cluster only disconnects; `kill()` restarts its engines
+        through the cluster file's launcher, which works where the launcher's process is local.
+        """
+        import ipyparallel as ipp
+
+        ipp_cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, **kw)
+        client = ipp_cluster.connect_client_sync()
+        cluster = cls(ipp_cluster, client, device=device, owned=False, timeout=timeout)
+        cluster._bind(None)
+        return cluster
+
+    def _bind(self, n: int | None) -> None:
+        """Wait for `n` live engines, bind their devices and order them by MPI rank."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            ids = [i for i in self.client.ids if i not in self._retired]
+            if n is None or len(ids) >= n:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(ids)} of {n} engines registered in {self._timeout:.0f} s")
+            time.sleep(0.1)
+        infos = self.client[ids].apply_async(bind_engine, self.device).get(timeout=self._timeout)
+        for engine_id, info in zip(ids, infos):
+            info["engine_id"] = engine_id
+        self._infos = sorted(infos, key=lambda info: info["rank"])
+        ranks = [info["rank"] for info in self._infos]
+        if ranks != list(range(len(ranks))) or any(i["size"] != len(ranks) for i in self._infos):
+            raise RuntimeError(f"engines are not one MPI world: ranks {ranks}, sizes "
+                               f"{[i['size'] for i in self._infos]}")
+        self._pids |= set(self.process_ids())
+
+    # -- what the cluster is
+
+    @property
+    def ranks(self) -> list[int]:
+        """MPI ranks of the engines, 0..n-1."""
+        return [info["rank"] for info in self._infos]
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """ipyparallel engine ids, in rank order."""
+        return [info["engine_id"] for info in self._infos]
+
+    @property
+    def view(self):
+        """A blocking DirectView on the engines in rank order (`view.activate()` for %px)."""
+        view = self.client[self.engine_ids]
+        view.block = True
+        return view
+
+    @property
+    def cluster_id(self) -> str:
+        """The ipyparallel cluster id (for `Cluster.attach`)."""
+        return self._ipp.cluster_id
+
+    @property
+    def profile_dir(self) -> str:
+        """The IPython profile directory holding the connection files."""
+        return self._ipp.profile_dir
+
+    def info(self) -> list[dict[str, Any]]:
+        """Per engine, in rank order: rank, size, local_rank, host, pid, device, engine_id."""
+        return [dict(info) for info in self._infos]
+
+    def process_ids(self) -> list[int]:
+        """Local pids of the controller, mpiexec and its children (engines, hydra proxies)."""
+        import psutil
+
+        pids = set()
+        launchers = ([self._ipp.controller] if self._ipp.controller else []) + list(self._ipp.engines.values())
+        for launcher in launchers:
+            pid = getattr(launcher, "pid", None)
+            if not pid or not _pid_alive(pid):
+                continue
+            pids.add(pid)
+            try:
+                pids |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+        host = socket.gethostname()
+        pids |= {info["pid"] for info in self._infos if info["host"] == host}
+        return sorted(pids)
+
+    # -- runs
+
+    def submit(self, cfg: TrainConfig, *, heartbeat: float = 0.5, silence_timeout: float = 15.0) -> RunHandle:
+        """Start `cfg` on all engines (cfg.backend must be "mpi") and return its handle at once.
+
+        `silence_timeout`: seconds without a heartbeat after which an engine counts as dead.
+        """
+        if cfg.backend != "mpi":
+            raise UserError(f"a cluster runs backend 'mpi'; the config has backend {cfg.backend!r}")
+        if cfg.ranks not in (1, len(self._infos)):
+            raise UserError(f"the config asks for ranks={cfg.ranks} but the cluster has {len(self._infos)} engines")
+        if self._run is not None and not self._run.done:
+            raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
+        run_id = uuid.uuid4().hex[:12]
+        cfg_dict = to_dict(cfg)
+        results = [self.client[info["engine_id"]].apply_async(start_run, run_id, cfg_dict, heartbeat)
+                   for info in self._infos]
+        self._run = RunHandle(self, run_id, results, self.info(), silence_timeout=silence_timeout)
+        return self._run
+
+    def request_stop(self, run_id: str) -> None:
+        """Set the stop flag of run `run_id` on every engine."""
+        self.client[self.engine_ids].apply_async(request_stop, run_id).get(timeout=self._timeout)
+
+    def restart(self) -> None:
+        """Hard-stop the engines (SIGTERM, then SIGKILL) and start and bind fresh ones.
+
+        The only way out of a hung run: a rank blocked in an MPI collective ignores SIGINT
+        and any request sent to it.
+        """
+        n = len(self._infos)
+        old = set(self.engine_ids)
+        host = socket.gethostname()
+        _signal_pids([info["pid"] for info in self._infos if info["host"] == host])
+        self._ipp.restart_engines_sync()
+        self._retired |= old
+        self._bind(n)
+
+    def shutdown(self) -> None:
+        """Stop engines and controller (of a cluster this object started) and close the client."""
+        pids = set(self.process_ids()) | self._pids
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - a half-closed client must not stop the shutdown
+            pass
+        if not self._owned:
+            return
+        self._ipp.stop_cluster_sync()
+        _signal_pids([pid for pid in pids if _pid_alive(pid)])
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class RunHandle:
+    """A run going on the cluster's engines: live events, stop, kill and its final summary."""
+
+    def __init__(self, cluster: Cluster, run_id: str, results, infos: list[dict[str, Any]],
+                 *, silence_timeout: float):
+        self.run_id = run_id
+        self._cluster = cluster
+        self._results = results  # one AsyncResult per rank
+        self._infos = infos
+        self._silence = silence_timeout
+        self._size = len(infos)
+        self._data = [cluster.client.metadata[ar.msg_ids[0]]["data"] for ar in results]
+        self._next_seq = [0] * self._size
+        self._final: list[dict[str, Any] | None] = [None] * self._size
+        self._last_step: list[int | None] = [None] * self._size
+        self._beat = [(-1, time.monotonic())] * self._size  # (last beat number, when it changed)
+        self._missing: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+        self.history: list[dict[str, Any]] = []
+        self.latencies: list[float] = []  # seconds from event creation on its engine to poll()
+        self.gaps: list[tuple[int, int]] = []  # (rank, seq) of batches that never arrived
+        self.error: RunError | None = None
+        self.killed = False
+
+    @property
+    def done(self) -> bool:
+        """Whether every rank finished (or the run failed or was killed)."""
+        return self.error is not None or self.killed or all(f is not None for f in self._final)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Events that arrived since the last poll, in order per rank (ranks one after another)."""
+        with self._lock:
+            now_wall, new = time.time(), []
+            for rank in range(self._size):
+                new += self._take(rank, now_wall)
+            self.history += new
+            if self.error is None and not self.killed:
+                self._watch()
+            return new
+
+    def _take(self, rank: int, now_wall: float) -> list[dict[str, Any]]:
+        data, events = self._data[rank], []
+        prefix = f"{self.run_id}/"
+        while True:
+            batch = data.pop(f"{prefix}{self._next_seq[rank]:09d}", None)
+            if batch is None:
+                later = [k for k in list(data) if k.startswith(prefix) and k[len(prefix):].isdigit()
+                         and int(k[len(prefix):]) > self._next_seq[rank]]
+                if not later:
+                    break
+                # PUB/SUB keeps order, so a later batch with this one missing is a lost message;
+                # give it a moment (the data dict is filled by the client's IO thread) then skip.
+                key = (rank, self._next_seq[rank])
+                first_seen = self._missing.setdefault(key, time.monotonic())
+                if time.monotonic() - first_seen < 1.0:
+                    break
+                self.gaps.append(key)
+                self._next_seq[rank] += 1
+                continue
+            self._next_seq[rank] += 1
+            for event in batch["events"]:
+                event["t_arrived"] = now_wall
+                self.latencies.append(now_wall - event["t_created"])
+                if "step" in event:
+                    self._last_step[rank] = event["step"]
+            events += batch["events"]
+            if batch["final"] is not None:
+                self._final[rank] = batch["final"]
+                if batch["final"]["status"] == "failed" and self.error is None:
+                    self.error = RunError(
+                        f"rank {rank} raised {batch['final']['error']}{self._at_step(rank)}",
+                        rank, self._last_step[rank], batch["final"]["traceback"])
+        return events
+
+    def _at_step(self, rank: int) -> str:
+        step = self._last_step[rank]
+        return " before its first step" if step is None else f" (its last event was at step {step})"
+
+    def _watch(self) -> None:
+        """Fail the run when an engine cannot report any more: start error, death, silence."""
+        host = socket.gethostname()
+        registered = set(self._cluster.client.ids)
+        now = time.monotonic()
+        for rank, info in enumerate(self._infos):
+            if self._final[rank] is not None:
+                continue
+            reason = None
+            ar = self._results[rank]
+            if ar.done() and ar.exception() is not None:
+                reason = f"could not start the run: {ar.exception()}"
+            elif info["host"] == host and not _pid_alive(info["pid"]):
+                reason = f"died (engine {info['engine_id']}, pid {info['pid']} is gone)"
+            elif info["engine_id"] not in registered:
+                reason = f"died (engine {info['engine_id']} unregistered from the controller)"
+            else:
+                alive = self._data[rank].get(f"{self.run_id}/{ALIVE}")
+                beat = -1 if alive is None else alive["beat"]
+                if beat != self._beat[rank][0]:
+                    self._beat[rank] = (beat, now)
+                elif now - self._beat[rank][1] > self._silence:
+                    reason = f"went silent (no heartbeat for {now - self._beat[rank][1]:.0f} s)"
+            if reason is not None:
+                self.error = RunError(f"rank {rank} {reason}{self._at_step(rank)}", rank, self._last_step[rank])
+                return
+
+    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield events as they arrive until the run ends; raise RunError if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            finished = self.done
+            yield from self.poll()
+            if finished:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.run_id} still going after {timeout} s")
+            time.sleep(_POLL_SECONDS)
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the run ends and return rank 0's summary; RunError names a failed rank."""
+        for _ in self.events(timeout):
+            pass
+        if self.killed:
+            raise RunError(f"run {self.run_id} was killed", -1, None)
+        return self._final[0]["summary"]
+
+    def stop(self) -> None:
+        """Ask every rank to stop at the next averaging point (after a checkpoint); returns at once."""
+        self._cluster.request_stop(self.run_id)
+
+    def kill(self) -> None:
+        """Hard-stop the run's engines and restart them, leaving the cluster usable."""
+        with self._lock:
+            self.killed = True
+        self._cluster.restart()
+
+    def latency(self) -> dict[str, float]:
+        """Median and 95th percentile (seconds) of event creation on an engine -> poll()."""
+        values = sorted(self.latencies)
+        if not values:
+            return {"count": 0, "median": float("nan"), "p95": float("nan")}
+        p95 = values[min(len(values) - 1, int(round(0.95 * (len(values) - 1))))]
+        return {"count": len(values), "median": statistics.median(values), "p95": p95}

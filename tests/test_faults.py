@@ -1,0 +1,150 @@
+"""Fault injection: diverged, crashing, killed and stopped ranks; checkpoints killed mid-save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from labavg import checkpoint
+from labavg.comm.inproc import RankFailed
+from labavg.data.dataset import open_dataset
+from labavg.errors import UserError
+from labavg.events import Message, RunFinished
+from labavg.faults import parse_fault
+from labavg.runs import read_events, read_summary, run_training
+from labavg.train import train
+
+from test_train import SMALL, _cli, corpus, final_params, small_config  # noqa: F401 (fixture)
+
+PYTHON = sys.executable
+
+
+def test_parse_fault():
+    f = parse_fault("nan@rank1:step20")
+    assert (f.kind, f.rank, f.step) == ("nan", 1, 20)
+    with pytest.raises(UserError, match="KIND@rankR:stepS"):
+        parse_fault("nan@1:20")
+
+
+@pytest.mark.parametrize("nan_step", [2, 4])
+def test_nan_rank_is_left_out_of_the_average(corpus, tmp_path, nan_step):
+    cfg = small_config(corpus, tmp_path / "run", inject_fault=f"nan@rank1:step{nan_step}")
+    source = open_dataset(cfg.data.data)
+    events = list(train(cfg, source, Path(cfg.out)))
+    notes = [e for e in events if isinstance(e, Message) and "left out" in e.text]
+    next_round = -(-nan_step // 3) * 3
+    assert [(e.rank, e.step) for e in notes] == [(1, next_round)]
+    finished = [e for e in events if isinstance(e, RunFinished)]
+    assert len(finished) == 2 and all(e.cv_loss == e.cv_loss for e in finished)  # not NaN
+    a, b = final_params(Path(cfg.out), 0), final_params(Path(cfg.out), 1)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_all_ranks_nan_restores_previous_average():
+    from labavg.averaging import average_parameters
+    from labavg.comm.inproc import run_inproc
+
+    def work(comm):
+        flat = torch.full((4,), float("nan"))
+        fallback = torch.arange(4.0)
+        stats = average_parameters(flat, comm, fallback=fallback)
+        return flat, stats.dropped
+
+    for flat, dropped in run_inproc(2, work):
+        assert torch.equal(flat, torch.arange(4.0)) and dropped == 2
+
+
+def test_exception_on_one_inproc_rank_names_it(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "run", inject_fault="raise@rank1:step5")
+    with pytest.raises(RankFailed) as info:
+        list(train(cfg, open_dataset(cfg.data.data), Path(cfg.out)))
+    assert info.value.rank == 1 and "step 5" in str(info.value)
+
+
+def test_stop_request_stops_all_ranks_at_one_round_and_resume_finishes(corpus, tmp_path):
+    full = small_config(corpus, tmp_path / "full")
+    run_training(full, progress=False)
+    cfg = small_config(corpus, tmp_path / "run")
+    flag = threading.Event()
+
+    def on_event(event):
+        if getattr(event, "step", 0) >= 4:
+            flag.set()
+
+    summary = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
+    assert summary["stopped"] is True and summary["steps"] % 3 == 0
+    assert summary["steps"] < read_summary(tmp_path / "full")["steps"]
+    ends = [e for e in read_events(tmp_path / "run") if e["type"] == "run_finished"]
+    assert {e["step"] for e in ends} == {summary["steps"]} and len(ends) == 2
+    (tmp_path / "run" / "summary.json").unlink()
+    run_training(cfg, resume=True, progress=False)
+    assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))
+
+
+@pytest.mark.parametrize("kind, step", [("raise", 5), ("kill", 4), ("kill", 9)])
+def test_mpi_rank_failure_ends_the_job(corpus, tmp_path, kind, step):
+    args = ["train", "--data", str(corpus), "--ranks", "2", "--backend", "mpi", *SMALL,
+            "--epochs", "3", "--out", str(tmp_path / "run"), "--set", f'inject_fault="{kind}@rank1:step{step}"']
+    start = time.monotonic()
+    proc = _cli(*args, timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    if kind == "raise":
+        assert f"rank 1 failed: RuntimeError: injected fault on rank 1 at step {step}" in proc.stderr
+    assert "rank 1" in proc.stderr and "last event at step" in proc.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_torchrun_rank_failure_ends_the_job(corpus, tmp_path):
+    torchrun = Path(PYTHON).parent / "torchrun"
+    args = ["train", "--data", str(corpus), "--ranks", "2", "--backend", "torch", *SMALL,
+            "--epochs", "3", "--out", str(tmp_path / "run"), "--set", 'inject_fault="raise@rank1:step5"']
+    start = time.monotonic()
+    proc = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+         str(30500 + os.getpid() % 1000), "-m", "labavg", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "rank 1 failed: RuntimeError: injected fault on rank 1 at step 5" in proc.stderr
+
+
+def test_checkpoint_killed_mid_save_is_never_half_written(tmp_path):
+    """SIGKILL a process that saves checkpoints in a loop; the manifest always names a whole one."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from pathlib import Path
+        from labavg import checkpoint
+        run = Path({str(tmp_path)!r})
+        step = int(sys.argv[1])
+        while True:
+            step += 1
+            state = {{"step": step, "params": torch.full((2_000_000,), float(step))}}
+            checkpoint.save_rank_state(run, step, 0, state)
+            checkpoint.commit_checkpoint(run, step, 1)
+            print(step, flush=True)
+    """)
+    for attempt, delay in enumerate((0.0, 0.013, 0.037, 0.071)):
+        proc = subprocess.Popen([PYTHON, "-c", script, str(1000 * attempt)], stdout=subprocess.PIPE,
+                                text=True)
+        for _ in range(2):  # wait until it is saving in earnest
+            proc.stdout.readline()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        step, _ = checkpoint.latest_step(tmp_path)
+        assert step > 1000 * attempt
+        state = checkpoint.load_rank_state(tmp_path, step, 0)
+        assert state["step"] == step
+        assert torch.equal(state["params"], torch.full((2_000_000,), float(step)))
