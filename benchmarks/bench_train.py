@@ -8,7 +8,7 @@ Reports, on the default model with one CPU thread per rank:
 2. the training step's throughput over a minimal hand-written PyTorch loop on the same model;
 3. averaging cost at K=10 with 2 MPI ranks: communication seconds / compute seconds;
 4. 2 MPI ranks vs 1 rank: epoch wall-time ratio on a built-in corpus.
-Timings interleave the candidates and take medians, so load on the machine hits both sides.
+Step timings are this thread's CPU time, interleaved between candidates, medians of rounds.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ from labavg.train import train_step
 
 
 def _median_seconds(fn, repeats: int) -> float:
+    # CPU time of this thread (torch runs single-threaded here): other processes on a shared
+    # machine then shift both sides of a ratio much less than wall-clock time would.
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return statistics.median(times)
 
 

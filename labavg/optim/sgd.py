@@ -43,6 +43,7 @@ class SGD:
         self.linears = find_linears(model)
         self.tap = LinearTap(self.linears)
         self._velocity: list[torch.Tensor | None] = [None] * len(self.params)
+        self._group_list = self._groups()
 
     def _groups(self) -> list[tuple[list[int], int | None]]:
         """Parameter indices per Linear layer (with the layer index), then the rest."""
@@ -73,25 +74,26 @@ class SGD:
         """Apply one update from the gradients of the last backward pass; clear them."""
         updates: list[LayerUpdate] = []
         new_velocity: dict[int, torch.Tensor] = {}
-        for idx, layer_index in self._groups():
+        for idx, layer_index in self._group_list:
             with_grad = [i for i in idx if self.params[i].grad is not None]
             if not with_grad:
                 continue
             factor = self._layer_factor(layer_index, lr)
-            grads = [self.params[i].grad for i in with_grad]
-            if self.momentum > 0.0:
-                # v <- momentum v + factor g; committed only if the step is applied.
-                grads = [
-                    g * factor if self._velocity[i] is None
-                    else torch.add(g * factor, self._velocity[i], alpha=self.momentum)
-                    for i, g in zip(with_grad, grads)
-                ]
-                new_velocity.update(zip(with_grad, grads))
-                coef = -lr
-            else:
-                coef = factor * -lr
-            params = [self.params[i] for i in with_grad]
-            updates.append(LayerUpdate(params, grads, coef, factor))
+            if self.momentum == 0.0:
+                # The gradients themselves are the deltas: -lr and the max-change factor go
+                # into the coefficient, so no full-size temporaries are made.
+                deltas = [self.params[i].grad for i in with_grad]
+                updates.append(LayerUpdate([self.params[i] for i in with_grad], deltas,
+                                           factor * -lr, factor))
+                continue
+            deltas = []
+            for i in with_grad:
+                g = self.params[i].grad * factor
+                v = self._velocity[i]
+                g = g if v is None else v * self.momentum + g
+                new_velocity[i] = g
+                deltas.append(g)
+            updates.append(LayerUpdate([self.params[i] for i in with_grad], deltas, -lr, factor))
         stats = apply_updates(updates, self.max_param_change)
         if stats.applied:
             for i, v in new_velocity.items():
