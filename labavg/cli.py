@@ -93,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train_parser(sub)
 
+    sweep = sub.add_parser(
+        "sweep", help="train a grid of configurations",
+        description="Train every combination of a sweep file's [grid] on its [base] configuration, "
+        "one run directory each; finished runs are skipped, interrupted ones resumed; writes "
+        "results.csv and results.md.",
+    )
+    sweep.add_argument("sweep_file", help="TOML file with [base] and [grid] tables")
+    sweep.add_argument("--out", required=True, help="sweep directory")
+    sweep.set_defaults(func=cmd_sweep)
+
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of finished runs as a table.")
     info.add_argument("run_dirs", nargs="+", help="run directories")
@@ -166,6 +176,49 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from labavg.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    rows = run_sweep(sweep, Path(args.out), train_point=_train_point)
+    print((Path(args.out) / "results.md").read_text())
+    print(f"{len(rows)} runs in {args.out}/runs; tables in {args.out}/results.csv and results.md")
+    return 0
+
+
+def _train_point(cfg, resume: bool) -> None:
+    """One sweep point: in this process, or under mpiexec for the mpi backend."""
+    from labavg.comm.world import mpiexec_command
+    from labavg.config import to_dict
+    from labavg.runs import run_training
+
+    if cfg.backend == "inproc" or cfg.ranks == 1 and cfg.backend == "mpi":
+        run_training(cfg, resume=resume, progress=False)
+        return
+    if cfg.backend != "mpi":
+        raise UserError(f"labavg sweep runs backends inproc and mpi; got {cfg.backend!r}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The point's full configuration travels as JSON-in-TOML-free form: a --set per leaf.
+    argv = ["-m", "labavg", "train", "--no-progress", *_set_flags(to_dict(cfg))]
+    if resume:
+        argv += ["--resume", str(out)]
+    code = subprocess.call(mpiexec_command(cfg.ranks, argv))
+    if code != 0:
+        raise UserError(f"sweep point {out} failed (exit status {code}); {_last_steps(out)}")
+
+
+def _set_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
+    flags = []
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flags += _set_flags(value, dotted + ".")
+        elif value is not None:
+            flags += ["--set", f"{dotted}={json.dumps(value)}"]
+    return flags
 
 
 def _last_steps(run_dir: Path) -> str:

@@ -59,7 +59,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"panel serve exited with {proc.returncode}: {proc.stdout.read()}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=30) as response:
                 if response.status == 200:
                     return
         except OSError:

@@ -1,0 +1,149 @@
+"""Experiment grids: one run directory per point, a results table, resumable.
+
+A sweep file is TOML with a `[base]` table (a training configuration, as for `labavg train`)
+and a `[grid]` table mapping dotted setting names to lists of values:
+
+    [base]
+    epochs = 3
+    [base.data]
+    data = "data/synth"
+    [grid]
+    ranks = [1, 16]
+    optimizer = ["sgd", "ngsgd"]
+    seed = [0, 1]
+
+`run_sweep` trains every combination into SWEEP_DIR/runs/NAME (skipping finished runs and
+resuming interrupted ones) and writes SWEEP_DIR/results.csv and results.md.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import statistics
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labavg.checkpoint import atomic_write_text, latest_step
+from labavg.config import TrainConfig, config_from_dict, validate, with_overrides
+from labavg.errors import UserError
+from labavg.runs import SUMMARY, read_summary
+
+COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch",
+           "seed", "cv_frame_accuracy", "cv_loss", "wall_seconds", "compute_seconds",
+           "comm_seconds", "speedup", "parallel_efficiency")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A base configuration and the grid of settings to vary."""
+
+    base: TrainConfig
+    grid: dict[str, list[Any]]
+
+    def points(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, overrides) for every combination, in a stable order."""
+        keys = list(self.grid)
+        out = []
+        for values in itertools.product(*(self.grid[k] for k in keys)):
+            overrides = dict(zip(keys, values))
+            name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
+            out.append((name, overrides))
+        return out
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Parse and check a sweep file; every point must be a valid configuration."""
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read sweep file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    unknown = set(values) - {"base", "grid"}
+    if unknown:
+        raise UserError(f"{path}: unknown tables {sorted(unknown)}; a sweep has [base] and [grid]")
+    base = config_from_dict(values.get("base", {}), f"{path} [base]")
+    grid = values.get("grid", {})
+    for key, options in grid.items():
+        if not isinstance(options, list) or not options:
+            raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
+    sweep = Sweep(base, grid)
+    for name, overrides in sweep.points():
+        try:
+            validate(with_overrides(base, overrides))
+        except UserError as exc:
+            raise UserError(f"{path}: grid point {name}: {exc}") from None
+    return sweep
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: Path,
+    *,
+    train_point: Callable[[TrainConfig, bool], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train every point not yet finished; write results.csv and results.md; return the rows.
+
+    `train_point(cfg, resume)` trains one configuration (default: in this process with
+    `run_training`; the CLI passes one that starts mpiexec for the mpi backend).
+    """
+    if train_point is None:
+        from labavg.runs import run_training
+
+        def train_point(cfg: TrainConfig, resume: bool) -> None:
+            run_training(cfg, resume=resume, progress=False)
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, overrides in sweep.points():
+        run_dir = out / "runs" / name
+        cfg = validate(with_overrides(sweep.base, {**overrides, "out": str(run_dir)}))
+        if not (run_dir / SUMMARY).is_file():
+            resume = latest_step(run_dir) is not None
+            if not resume and run_dir.exists():
+                # An attempt that died before its first checkpoint: start it afresh.
+                for leftover in ("events.jsonl", "config.json"):
+                    (run_dir / leftover).unlink(missing_ok=True)
+            train_point(cfg, resume)
+        summary = read_summary(run_dir)
+        rows.append({"name": name, "seed": cfg.seed, **{k: summary.get(k) for k in COLUMNS
+                                                          if k not in ("name", "seed")}})
+        write_results(rows, out)
+    return rows
+
+
+def write_results(rows: list[dict[str, Any]], out: Path) -> None:
+    """results.csv (one row per run) and results.md (the same, plus means over seeds)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(out / "results.csv", buf.getvalue())
+    atomic_write_text(out / "results.md", format_results(rows))
+
+
+def format_results(rows: list[dict[str, Any]]) -> str:
+    """Markdown: every run, then the mean and spread of CV accuracy over seeds per setting."""
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        key = "-".join(p for p in r["name"].split("-") if not p.startswith("seed_"))
+        groups.setdefault(key, []).append(100 * r["cv_frame_accuracy"])
+    lines += ["", "| setting | seeds | CV frame accuracy % (mean) | spread (min-max) |",
+              "|---|---|---|---|"]
+    for key, accs in groups.items():
+        lines.append(f"| {key} | {len(accs)} | {statistics.mean(accs):.2f} | "
+                     f"{min(accs):.2f}-{max(accs):.2f} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,71 @@
+"""`labavg sweep`: a grid of runs, a results table, resumable."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from labavg.errors import UserError
+from labavg.sweep import load_sweep, run_sweep
+
+from test_train import _cli, corpus  # noqa: F401 (fixture)
+
+
+def write_sweep(path, corpus, grid: str) -> None:
+    path.write_text(f"""
+[base]
+epochs = 1
+minibatch = 64
+tensorboard = false
+[base.model]
+hidden_layers = 1
+hidden_dim = 32
+[base.data]
+data = "{corpus}"
+context = 2
+buffer_frames = 2048
+[grid]
+{grid}
+""")
+
+
+def test_sweep_runs_grid_writes_table_and_skips_finished(corpus, tmp_path):
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, 'ranks = [1, 2]\noptimizer = ["sgd", "ngsgd"]')
+    sweep = load_sweep(spec)
+    assert [n for n, _ in sweep.points()] == [
+        "ranks_1-optimizer_sgd", "ranks_1-optimizer_ngsgd", "ranks_2-optimizer_sgd",
+        "ranks_2-optimizer_ngsgd"]
+    rows = run_sweep(sweep, tmp_path / "out")
+    table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    assert [(r["ranks"], r["optimizer"]) for r in table] == [
+        ("1", "sgd"), ("1", "ngsgd"), ("2", "sgd"), ("2", "ngsgd")]
+    assert all(0 < float(r["cv_frame_accuracy"]) < 1 for r in table)
+    # The 2-rank runs found their 1-rank baselines beside them.
+    assert rows[2]["speedup"] is not None and rows[0]["speedup"] is None
+    # Running again trains nothing: the summaries stay untouched.
+    stamp = (tmp_path / "out/runs/ranks_1-optimizer_sgd/summary.json").stat().st_mtime_ns
+    calls = []
+    run_sweep(sweep, tmp_path / "out", train_point=lambda cfg, resume: calls.append(cfg))
+    assert calls == []
+    assert (tmp_path / "out/runs/ranks_1-optimizer_sgd/summary.json").stat().st_mtime_ns == stamp
+    assert "CV frame accuracy" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_sweep_rejects_bad_grid(corpus, tmp_path):
+    spec = tmp_path / "bad.toml"
+    write_sweep(spec, corpus, "average_every = [10, 0]")
+    with pytest.raises(UserError, match="average_every_0"):
+        load_sweep(spec)
+    proc = _cli("sweep", str(spec), "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "average_every must be positive" in proc.stderr
+
+
+def test_sweep_cli_with_mpi_points(corpus, tmp_path):
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, 'backend = ["mpi"]\nranks = [2]\naverage_every = [2, 8]')
+    proc = _cli("sweep", str(spec), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    assert [(r["ranks"], r["average_every"]) for r in table] == [("2", "2"), ("2", "8")]
