@@ -98,12 +98,12 @@ class LivePlots(param.Parameterized):
             compute = hv.Curve(data, "round", hv.Dimension("compute_s", label="seconds"), label="compute")
             comm = hv.Curve(data, "round", hv.Dimension("comm_s", label="seconds"), label="communication")
             return (compute.opts(color="#1f77b4") * comm.opts(color="#d62728")).opts(
-                **_plot_opts("Compute vs communication per round (mean of ranks)", "averaging round",
+                **_plot_opts("Compute vs comm per round", "averaging round",
                              "seconds", legend_position="top_left"))
 
         def fps(data):
             return hv.Curve(data, "round", hv.Dimension("frames_per_s", label="frames/s")).opts(
-                color="#2ca02c", **_plot_opts("Training throughput (all ranks)", "averaging round", "frames/s"))
+                color="#2ca02c", **_plot_opts("Frames/s (all ranks)", "averaging round", "frames/s"))
 
         def cv(data):
             acc = hv.Curve(data, "epoch", hv.Dimension("cv_acc_pct", label="frame accuracy %"), label="CV")
@@ -232,34 +232,32 @@ class RunsView(param.Parameterized):
         self.scaling.object = scaling_plot(self.table.scaling())
 
 
-class TwoColumns(pn.GridBox):
-    """A GridBox of two columns, so the settings fit beside the plots at 1366x768."""
-
-    ncols = param.Integer(default=2)
+SETTINGS_ORDER = ("backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
+                  "pretrain", "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
 
 
-def settings_panel(settings: RunSettings) -> pn.Param:
-    """The controls, with number boxes where a slider would be too coarse."""
-    return pn.Param(
+def settings_panel(settings: RunSettings) -> pn.Column:
+    """The controls, two to a row (so they fit at 1366x768), number boxes instead of sliders."""
+    number = {"type": pn.widgets.IntInput}
+    param_pane = pn.Param(
         settings,
-        parameters=["backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
-                    "pretrain", "minibatch", "epochs", "hidden_layers", "hidden_dim", "context",
-                    "data", "runs_dir"],
+        parameters=[*SETTINGS_ORDER, "data", "runs_dir"],
         widgets={
-            "ranks": pn.widgets.IntInput,
-            "average_every": pn.widgets.IntInput,
+            "ranks": number, "average_every": number, "minibatch": number, "epochs": number,
+            "hidden_layers": number, "hidden_dim": number, "context": number,
             "lr": {"type": pn.widgets.FloatInput, "step": 0.001, "format": "0.[00000]"},
             "final_lr": {"type": pn.widgets.FloatInput, "step": 0.0001, "format": "0.[000000]",
                          "placeholder": "0.01 × lr"},
-            "minibatch": pn.widgets.IntInput,
-            "epochs": pn.widgets.IntInput,
-            "hidden_layers": pn.widgets.IntInput,
-            "hidden_dim": pn.widgets.IntInput,
-            "context": pn.widgets.IntInput,
         },
-        show_name=False, sizing_mode="stretch_width",
-        default_layout=TwoColumns,
+        show_name=False,
     )
+    widgets = {name: param_pane.widget(name) for name in (*SETTINGS_ORDER, "data", "runs_dir")}
+    for widget in widgets.values():
+        widget.param.update(sizing_mode="stretch_width", margin=(2, 5))
+    pairs = [pn.Row(widgets[a], widgets[b], sizing_mode="stretch_width")
+             for a, b in zip(SETTINGS_ORDER[1::2], SETTINGS_ORDER[2::2])]
+    return pn.Column(widgets["backend"], *pairs, widgets["data"], widgets["runs_dir"],
+                     sizing_mode="stretch_width")
 
 
 class RunControls(param.Parameterized):

@@ -47,9 +47,9 @@ _PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_ev
 class RunSettings(param.Parameterized):
     """The controls of the next run. Changing them never touches the run on screen."""
 
-    backend = param.Selector(default="in-process workers", objects=list(BACKEND_LABELS),
+    backend = param.Selector(default="in-process workers", objects=list(BACKEND_LABELS), label="backend",
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
-    ranks = param.Integer(default=2, bounds=(1, 64), doc="number of workers (num_jobs)")
+    ranks = param.Integer(default=2, bounds=(1, 64), label="ranks", doc="number of workers (num_jobs)")
     average_every = param.Integer(default=10, bounds=(1, 100000), label="K (average every)",
                                   doc="minibatches between averaging rounds")
     lr = param.Number(default=0.008, bounds=(0.0, 10.0), inclusive_bounds=(False, True),
@@ -57,15 +57,16 @@ class RunSettings(param.Parameterized):
     final_lr = param.Number(default=None, allow_None=True, bounds=(0.0, 10.0),
                             inclusive_bounds=(False, True), label="final lr",
                             doc="final learning rate; empty: 0.01 x initial")
-    schedule = param.Selector(default="exponential", objects=["exponential", "newbob"])
-    optimizer = param.Selector(default="sgd", objects=["sgd", "ngsgd"])
-    pretrain = param.Selector(default="none", objects=["none", "rbm"])
-    minibatch = param.Integer(default=256, bounds=(1, 65536), doc="frames per minibatch")
-    epochs = param.Integer(default=2, bounds=(1, 1000))
+    schedule = param.Selector(default="exponential", objects=["exponential", "newbob"], label="schedule")
+    optimizer = param.Selector(default="sgd", objects=["sgd", "ngsgd"], label="optimizer")
+    pretrain = param.Selector(default="none", objects=["none", "rbm"], label="pretrain")
+    minibatch = param.Integer(default=256, bounds=(1, 65536), label="minibatch",
+                              doc="frames per minibatch")
+    epochs = param.Integer(default=2, bounds=(1, 1000), label="epochs")
     hidden_layers = param.Integer(default=2, bounds=(0, 16), label="hidden layers")
     hidden_dim = param.Integer(default=256, bounds=(1, 8192), label="hidden units")
-    context = param.Integer(default=5, bounds=(0, 50), doc="frames of context each side (splice)")
-    data = param.String(default="corpus", doc="built-in corpus directory or a Kaldi data directory")
+    context = param.Integer(default=5, bounds=(0, 50), label="context", doc="frames of context each side (splice)")
+    data = param.String(default="corpus", label="data directory", doc="built-in corpus directory or a Kaldi data directory")
     runs_dir = param.String(default="runs", label="runs directory")
     overrides = param.Dict(default={}, doc="more TrainConfig settings as dotted keys (not shown)")
 

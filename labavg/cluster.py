@@ -436,7 +436,6 @@ class RunHandle:
         self._infos = infos
         self._silence = silence_timeout
         self._size = len(infos)
-        self._data = [cluster.client.metadata[ar.msg_ids[0]]["data"] for ar in results]
         self._next_seq = [0] * self._size
         self._final: list[dict[str, Any] | None] = [None] * self._size
         self._last_step: list[int | None] = [None] * self._size
@@ -461,18 +460,35 @@ class RunHandle:
             for rank in range(self._size):
                 new += self._take(rank, now_wall)
             self.history += new
-            if self.error is None and not self.killed:
+            if all(final is not None for final in self._final):
+                for ar in self._results:  # the finished run's data entries are no longer needed
+                    self._cluster.client.metadata.pop(ar.msg_ids[0], None)
+            elif self.error is None and not self.killed:
                 self._watch()
             return new
 
+    def _sources(self, rank: int) -> list[dict[str, Any]]:
+        """The data dicts the client's IO thread fills for this rank's request.
+
+        The AsyncResult owns the request's metadata and drops it from `client.metadata` once
+        the (immediate) reply is in; data messages arriving later land in a new entry there.
+        """
+        ar = self._results[rank]
+        sources = [ar.data]
+        later = self._cluster.client.metadata.get(ar.msg_ids[0])
+        if later is not None and later["data"] is not sources[0]:
+            sources.append(later["data"])
+        return sources
+
     def _take(self, rank: int, now_wall: float) -> list[dict[str, Any]]:
-        data, events = self._data[rank], []
+        sources, events = self._sources(rank), []
         prefix = f"{self.run_id}/"
         while True:
-            batch = data.pop(f"{prefix}{self._next_seq[rank]:09d}", None)
+            key = f"{prefix}{self._next_seq[rank]:09d}"
+            batch = next((data.pop(key) for data in sources if key in data), None)
             if batch is None:
-                later = [k for k in list(data) if k.startswith(prefix) and k[len(prefix):].isdigit()
-                         and int(k[len(prefix):]) > self._next_seq[rank]]
+                later = [k for data in sources for k in list(data) if k.startswith(prefix)
+                         and k[len(prefix):].isdigit() and int(k[len(prefix):]) > self._next_seq[rank]]
                 if not later:
                     break
                 # PUB/SUB keeps order, so a later batch with this one missing is a lost message;
@@ -520,8 +536,8 @@ class RunHandle:
             elif info["engine_id"] not in registered:
                 reason = f"died (engine {info['engine_id']} unregistered from the controller)"
             else:
-                alive = self._data[rank].get(f"{self.run_id}/{ALIVE}")
-                beat = -1 if alive is None else alive["beat"]
+                beats = [data.get(f"{self.run_id}/{ALIVE}") for data in self._sources(rank)]
+                beat = max((b["beat"] for b in beats if b is not None), default=-1)
                 if beat != self._beat[rank][0]:
                     self._beat[rank] = (beat, now)
                 elif now - self._beat[rank][1] > self._silence:
