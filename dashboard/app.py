@@ -76,7 +76,7 @@ class Dashboard:
         return pn.template.FastListTemplate(
             title=TITLE,
             sidebar=[self.controls.buttons(), settings_panel(self.settings)],
-            main=[pn.Column(self.controls.status, self.controls.run_config, tabs, sizing_mode="stretch_width")],
+            main=[pn.Column(self.controls.status, tabs, sizing_mode="stretch_width")],
             sidebar_width=330, header_background="#2f4f6f", accent_base_color="#2f4f6f",
             main_layout=None,
         )

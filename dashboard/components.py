@@ -9,6 +9,7 @@ carries every rank's value at a step (or averaging round), so 32 ranks cost one 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import holoviews as hv
@@ -20,7 +21,7 @@ import param
 from dashboard.state import (POINTS_PER_CURVE, TABLE_COLUMNS, LiveRun, RunSettings, RunTable,
                              describe_config)
 
-PLOT_HEIGHT = 235
+PLOT_HEIGHT = 225
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
 _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
@@ -35,7 +36,7 @@ def load_backend() -> None:
 
 def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, Any]:
     return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
-                show_grid=True, toolbar="above", framewise=False, **extra)
+                show_grid=True, toolbar="above", **{"framewise": False, **extra})
 
 
 def rank_columns(prefix: str, ranks: int) -> list[str]:
@@ -88,7 +89,7 @@ class LivePlots(param.Parameterized):
 
         def loss(data):
             return _rank_overlay(data, "step", "loss", ranks, "Training loss per rank",
-                                 "step (minibatches)", "cross-entropy (nats/frame)")
+                                 "step (minibatches)", "loss (nats/frame)")
 
         def divergence(data):
             return _rank_overlay(data, "round", "div", ranks, "Parameter divergence before averaging",
@@ -98,8 +99,8 @@ class LivePlots(param.Parameterized):
             compute = hv.Curve(data, "round", hv.Dimension("compute_s", label="seconds"), label="compute")
             comm = hv.Curve(data, "round", hv.Dimension("comm_s", label="seconds"), label="communication")
             return (compute.opts(color="#1f77b4") * comm.opts(color="#d62728")).opts(
-                **_plot_opts("Compute vs comm per round", "averaging round",
-                             "seconds", legend_position="top_left"))
+                **_plot_opts("Compute vs comm", "averaging round",
+                             "seconds per round", legend_position="top_left"))
 
         def fps(data):
             return hv.Curve(data, "round", hv.Dimension("frames_per_s", label="frames/s")).opts(
@@ -109,10 +110,11 @@ class LivePlots(param.Parameterized):
             acc = hv.Curve(data, "epoch", hv.Dimension("cv_acc_pct", label="frame accuracy %"), label="CV")
             train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy %"), label="train")
             points = hv.Scatter(data, "epoch", hv.Dimension("cv_acc_pct", label="frame accuracy %"))
-            return (acc.opts(color="#9467bd") * points.opts(color="#9467bd", size=7)
-                    * train.opts(color="#7f7f7f", line_dash="dashed")).opts(
-                **_plot_opts("Frame accuracy per epoch", "epoch", "frame accuracy %",
-                             legend_position="bottom_right"))
+            # framewise: the whole frame is replaced on each epoch, so the axes must follow it.
+            return (acc.opts(color="#9467bd", framewise=True) * points.opts(color="#9467bd", size=7, framewise=True)
+                    * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
+                **_plot_opts("Frame accuracy", "epoch", "frame accuracy %",
+                             legend_position="bottom_right", framewise=True))
 
         self.panes["loss"].object = hv.DynamicMap(loss, streams=[self.loss_buffer])
         self.panes["divergence"].object = hv.DynamicMap(divergence, streams=[self.round_buffer])
@@ -146,7 +148,7 @@ class LivePlots(param.Parameterized):
         if len(buffers.cv) != self._cv_count:
             self._cv_count = len(buffers.cv)
             cv = np.asarray(list(buffers.cv), dtype=float).reshape(-1, 3)
-            self.cv_pipe.send(pd.DataFrame({"epoch": cv[:, 0], "cv_acc_pct": 100 * cv[:, 1],
+            self.cv_pipe.send(pd.DataFrame({"epoch": cv[:, 0] + 1, "cv_acc_pct": 100 * cv[:, 1],
                                             "train_acc_pct": 100 * cv[:, 2]}))
             sent += len(cv)
         return sent
@@ -269,34 +271,31 @@ class RunControls(param.Parameterized):
         self.start_button = pn.widgets.Button(name="Start", button_type="primary", sizing_mode="stretch_width")
         self.stop_button = pn.widgets.Button(name="Stop", button_type="danger", disabled=True,
                                              sizing_mode="stretch_width")
-        self.follow_input = pn.widgets.TextInput(placeholder="run directory to follow (monitor mode)",
+        self.follow_input = pn.widgets.TextInput(placeholder="run dir to follow",
                                                  sizing_mode="stretch_width")
         self.follow_button = pn.widgets.Button(name="Follow", sizing_mode="stretch_width")
         self.start_button.on_click(lambda _: self.live.start(self.settings))
         self.stop_button.on_click(lambda _: self.live.stop())
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))
         self.live.param.watch(self._on_running, "running")
-        self.status = pn.pane.Markdown(self._status_text(), sizing_mode="stretch_width", margin=(0, 10))
-        self.run_config = pn.pane.Markdown(self._config_text(), sizing_mode="stretch_width", margin=(0, 10),
-                                           styles={"color": "#444", "font-size": "0.9em"})
-        self.live.param.watch(lambda *_: setattr(self.status, "object", self._status_text()), ["status", "error"])
-        self.live.param.watch(lambda *_: setattr(self.run_config, "object", self._config_text()),
-                              ["config", "run_dir"])
+        self.status = pn.pane.Markdown(self._text(), sizing_mode="stretch_width", margin=(0, 10),
+                                       styles={"font-size": "0.95em"})
+        self.live.param.watch(lambda *_: setattr(self.status, "object", self._text()),
+                              ["status", "error", "config", "run_dir", "mode"])
 
     def _on_running(self, event: param.parameterized.Event) -> None:
         self.start_button.disabled = event.new
         self.follow_button.disabled = event.new
         self.stop_button.disabled = not event.new
 
-    def _status_text(self) -> str:
+    def _text(self) -> str:
+        """The status line, then what the run on screen is (not what the settings say)."""
         icon = {"live": "▶", "monitor": "👁", "idle": "■"}[self.live.mode]
-        return f"**{icon} {self.live.status}**"
-
-    def _config_text(self) -> str:
         if not self.live.config:
-            return "No run on screen. Settings changes apply to the next run."
-        return (f"On screen: `{self.live.run_dir}` — {describe_config(self.live.config)}  \n"
-                "_Settings changes apply to the next run._")
+            on_screen = "No run on screen."
+        else:
+            on_screen = f"On screen: `{Path(self.live.run_dir).name}` — {describe_config(self.live.config)}."
+        return f"**{icon} {self.live.status}**  \n{on_screen} _Settings changes apply to the next run._"
 
     def buttons(self) -> pn.Column:
         """Start/Stop side by side, then the monitor-mode input."""

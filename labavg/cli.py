@@ -2,6 +2,8 @@
 
     labavg corpus synth OUT_DIR      write the built-in synthetic corpus
     labavg train [CONFIG.toml] ...   train (flags override the file)
+    labavg sweep SWEEP.toml --out D  train a grid of configurations
+    labavg dashboard                 serve the live dashboard
     labavg info RUN_DIR...           print run summaries as a table
 
 Bad input prints one message and exits with status 2.
@@ -103,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", required=True, help="sweep directory")
     sweep.set_defaults(func=cmd_sweep)
 
+    dash = sub.add_parser(
+        "dashboard", help="serve the live dashboard",
+        description="Serve the Panel dashboard (live per-rank loss, divergence, speedup) on "
+        "localhost and open it in the browser.",
+    )
+    dash.add_argument("--port", type=int, default=5006, help="port (default 5006)")
+    dash.add_argument("--address", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1; see docs/dashboard.md before "
+                      "exposing it)")
+    dash.add_argument("--runs-dir", default="runs", help="where runs are written and found")
+    dash.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    dash.set_defaults(func=cmd_dashboard)
+
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of finished runs as a table.")
     info.add_argument("run_dirs", nargs="+", help="run directories")
@@ -175,6 +190,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.app import serve
+
+    serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
+          address=args.address)
     return 0
 
 

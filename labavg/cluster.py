@@ -251,8 +251,8 @@ class Cluster:
         self._timeout = timeout
         self._infos: list[dict[str, Any]] = []
         self._run: RunHandle | None = None
-        self._retired: set[int] = set()  # engine ids of killed engines (may linger in client.ids)
         self._pids: set[int] = set()  # every process this cluster started (for shutdown checks)
+        self._closed = False
 
     # -- starting and attaching
 
@@ -300,7 +300,7 @@ class Cluster:
         """Wait for `n` live engines, bind their devices and order them by MPI rank."""
         deadline = time.monotonic() + self._timeout
         while True:
-            ids = [i for i in self.client.ids if i not in self._retired]
+            ids = list(self.client.ids)
             if n is None or len(ids) >= n:
                 break
             if time.monotonic() > deadline:
@@ -403,11 +403,22 @@ class Cluster:
         host = socket.gethostname()
         _signal_pids([info["pid"] for info in self._infos if info["host"] == host])
         self._ipp.restart_engines_sync()
-        self._retired |= old
+        # New engines ask for their MPI rank as engine id, so wait until the controller has
+        # dropped the old ones (each engine's nanny reports its death at once) before binding.
+        deadline = time.monotonic() + self._timeout
+        while old & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._infos = []
         self._bind(n)
 
     def shutdown(self) -> None:
-        """Stop engines and controller (of a cluster this object started) and close the client."""
+        """Stop engines and controller (of a cluster this object started) and close the client.
+
+        Idempotent. Afterwards none of the processes the cluster started is left running.
+        """
+        if self._closed:
+            return
+        self._closed = True
         pids = set(self.process_ids()) | self._pids
         try:
             self.client.close()
@@ -415,6 +426,10 @@ class Cluster:
             pass
         if not self._owned:
             return
+        # Ending the engines first lets mpiexec exit by itself; hydra otherwise sits out
+        # ipyparallel's 5 s TERM grace period before it is killed.
+        host = socket.gethostname()
+        _signal_pids([info["pid"] for info in self._infos if info["host"] == host])
         self._ipp.stop_cluster_sync()
         _signal_pids([pid for pid in pids if _pid_alive(pid)])
 
@@ -447,6 +462,12 @@ class RunHandle:
         self.gaps: list[tuple[int, int]] = []  # (rank, seq) of batches that never arrived
         self.error: RunError | None = None
         self.killed = False
+        # When one rank dies, MPICH takes the others down within about a collective; a fast
+        # liveness sweep records who went first, so the error names the rank that died.
+        self._died_at: dict[int, tuple[float, int]] = {}
+        local = [rank for rank, info in enumerate(infos) if info["host"] == socket.gethostname()]
+        threading.Thread(target=self._sweep, args=(local,), name=f"labavg-watch-{run_id}",
+                         daemon=True).start()
 
     @property
     def done(self) -> bool:
@@ -519,9 +540,28 @@ class RunHandle:
         step = self._last_step[rank]
         return " before its first step" if step is None else f" (its last event was at step {step})"
 
+    def _sweep(self, local_ranks: list[int], period: float = 0.02) -> None:
+        """Record when each local engine process is first seen gone (until the run ends)."""
+        while not self.done:
+            for rank in local_ranks:
+                if rank not in self._died_at and not _pid_alive(self._infos[rank]["pid"]):
+                    self._died_at[rank] = (time.monotonic(), self._last_step[rank] or 0)
+            time.sleep(period)
+
+    def _first_dead(self) -> int | None:
+        """The rank that died first (ties, within one sweep: the one with the earliest last step)."""
+        if not self._died_at:
+            return None
+        return min(self._died_at, key=lambda rank: self._died_at[rank])
+
     def _watch(self) -> None:
         """Fail the run when an engine cannot report any more: start error, death, silence."""
-        host = socket.gethostname()
+        dead = self._first_dead()
+        if dead is not None:
+            info = self._infos[dead]
+            self.error = RunError(f"rank {dead} died (engine {info['engine_id']}, pid {info['pid']} is "
+                                  f"gone){self._at_step(dead)}", dead, self._last_step[dead])
+            return
         registered = set(self._cluster.client.ids)
         now = time.monotonic()
         for rank, info in enumerate(self._infos):
@@ -531,8 +571,6 @@ class RunHandle:
             ar = self._results[rank]
             if ar.done() and ar.exception() is not None:
                 reason = f"could not start the run: {ar.exception()}"
-            elif info["host"] == host and not _pid_alive(info["pid"]):
-                reason = f"died (engine {info['engine_id']}, pid {info['pid']} is gone)"
             elif info["engine_id"] not in registered:
                 reason = f"died (engine {info['engine_id']} unregistered from the controller)"
             else:

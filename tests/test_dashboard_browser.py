@@ -163,7 +163,7 @@ def test_dashboard_in_browser(served):
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"))
 
             # The runs table lists both configurations.
-            page.get_by_role("tab", name="Runs").click()
+            page.locator(".bk-tab", has_text="Runs").click()
             rows = page.locator(".tabulator-row")
             _wait_for(lambda: rows.count() >= 2, 20, "two rows in the runs table")
             texts = [rows.nth(i).inner_text() for i in range(rows.count())]

@@ -86,12 +86,14 @@ class FisherState(NamedTuple):
 
 class Preconditioned(NamedTuple):
     """Output of `precondition_directions`: X_hat (not yet times `scale`), gamma_t as a 0-d
-    tensor, the squared row norms of X_hat, and the estimate to commit if the step is kept."""
+    tensor, the squared row norms of X_hat, and the estimate to commit if the step is kept.
+    `x_hat_one` is X_hat's column for the appended 1 (`precondition_with_one` only)."""
 
     x_hat: torch.Tensor
     scale: torch.Tensor
     row_sq: torch.Tensor
     state: FisherState
+    x_hat_one: torch.Tensor | None = None
 
 
 def eta(num_rows: int, cfg: NGConfig) -> float:
@@ -229,19 +231,22 @@ def reorthogonalize_rt1(d1: torch.Tensor, rho1: float, W1: torch.Tensor, cfg: NG
 
 
 def _update_fisher(
-    X: torch.Tensor,
+    J: torch.Tensor,
     H: torch.Tensor,
     tr_X: float,
+    num_rows: int,
     state: FisherState,
     rank: int,
     cfg: NGConfig,
 ) -> FisherState:
     """The updating half of PreconditionDirectionsInternal: the power-method step
-    Y = R T, Z = Y Y^T = U C U^T, R' = C^{-1/2} U^T Y, D' = C^{1/2} - rho' I."""
-    num_rows, dim = X.shape
+    Y = R T, Z = Y Y^T = U C U^T, R' = C^{-1/2} U^T Y, D' = C^{1/2} - rho' I.
+
+    Takes J_t = H_t^T X_t (R x D) rather than X, so a caller that appends a column of ones
+    to X analytically can supply J without materialising [X, 1]."""
+    dim = J.shape[1]
     W, d, rho = state.W, state.d, state.rho
     eta_t = eta(num_rows, cfg)
-    J = H.T @ X  # J_t = H_t^T X_t  (R x D)
     if num_rows > dim:
         # L_t = W_t J_t^T and K_t = J_t J_t^T in one product (Kaldi's compute_lk_together).
         LK = torch.cat([W, J]) @ J.T
@@ -251,31 +256,93 @@ def _update_fisher(
     if not (bool(torch.isfinite(LK).all()) and math.isfinite(tr_X)):
         return state  # a NaN would poison the estimate for good; that step is skipped anyway
     L, K = LK[:rank], LK[rank:]
-    beta = compute_beta(rho, d, dim, cfg.alpha)
+    tr_d = float(d.sum())
+    beta = rho * (1.0 + cfg.alpha) + cfg.alpha * tr_d / dim  # compute_beta, without a 2nd sum
     _, _, inv_sqrt_e = compute_et(d, beta)
     Z = compute_zt(num_rows, rho, d, inv_sqrt_e, K, L, eta_t)
     # Z_t is proportional to the fourth power of the data: scale before the eigensolver.
     z_scale = max(1.0, float(torch.trace(Z)))
     c, U = torch.linalg.eigh(Z / z_scale)
     c, U = c.flip(0) * z_scale, U.flip(1)  # SortSvd: largest first
-    must_reorthogonalize = bool(c[0] > cfg.condition_threshold * c[-1])
+    c_first, c_last = c[0].item(), c[-1].item()  # CPU tensors: no device sync
+    must_reorthogonalize = c_first > cfg.condition_threshold * c_last
     c_floor = (rho * (1.0 - eta_t)) ** 2
-    if bool((c < c_floor).any()):
+    if c_last < c_floor:  # c is sorted, so its last entry is its smallest
         must_reorthogonalize = True
         c = c.clamp(min=c_floor)
     sqrt_c = c.sqrt()
     # (eqn:rhot1): rho_{t+1} = 1/(D-R) (eta/N tr(X X^T) + (1-eta)(D rho_t + tr D_t) - tr C^{1/2})
     rho1 = (
-        eta_t / num_rows * tr_X + (1.0 - eta_t) * (dim * rho + float(d.sum())) - float(sqrt_c.sum())
+        eta_t / num_rows * tr_X + (1.0 - eta_t) * (dim * rho + tr_d) - float(sqrt_c.sum())
     ) / (dim - rank)
     d1 = sqrt_c - rho1  # (eqn:dt1): D_{t+1} = C_t^{1/2} - rho_{t+1} I
-    floor_val = max(cfg.epsilon, cfg.delta * float(sqrt_c.max()))
+    floor_val = max(cfg.epsilon, cfg.delta * float(sqrt_c[0]))  # sqrt_c[0] is its largest
     rho1 = max(rho1, floor_val)
     d1 = d1.clamp(min=floor_val)
     W1 = compute_wt1(num_rows, d, d1, rho, rho1, U, sqrt_c, inv_sqrt_e, W, J, eta_t, cfg.alpha)
     if must_reorthogonalize:
         W1 = reorthogonalize_rt1(d1, rho1, W1, cfg)
     return FisherState(W=W1, d=d1, rho=rho1, t=state.t)
+
+
+def append_one(X: torch.Tensor) -> torch.Tensor:
+    """[X, 1]: the input with nnet2's column of ones for the bias."""
+    return F.pad(X, (0, 1), value=1.0)
+
+
+def _precondition(
+    X: torch.Tensor,
+    state: FisherState,
+    rank: int,
+    cfg: NGConfig,
+    *,
+    with_one: bool,
+    need_output: bool = True,
+) -> Preconditioned:
+    """`precondition_directions` of X, or of [X, 1] when `with_one`, without building [X, 1].
+
+    With W = [W_x, w_1] (the last column belongs to the 1): H = X W_x^T + 1 w_1^T,
+    X_hat = [X - H W_x, 1 - H w_1], tr([X,1][X,1]^T) = tr(X X^T) + N and J = [H^T X, H^T 1].
+    """
+    num_rows, dim_x = X.shape
+    dim = dim_x + 1 if with_one else dim_x
+    one = torch.ones((), dtype=X.dtype, device=X.device)
+    if dim == 1 or (with_one and dim_x == 0):
+        # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case)
+        full = append_one(X) if with_one else X
+        return Preconditioned(
+            X, one, row_sq_norms(full), state._replace(t=state.t + 1), full[:, -1] if with_one else None
+        )
+    rank = effective_rank(rank, dim)
+    if state.t == 0 or state.W is None:
+        state = init_state(append_one(X) if with_one else X, rank, cfg)
+    W = state.W
+    tr_X_t = torch.linalg.vector_norm(X).square()
+    if with_one:
+        W_x, w_1 = W[:, :dim_x], W[:, dim_x]
+        H = torch.addmm(w_1, X, W_x.T)  # H_t = [X, 1] W_t^T  (N x R)
+        tr_X_t = tr_X_t + num_rows
+    else:
+        W_x, w_1 = W, None
+        H = X @ W.T  # H_t = X_t W_t^T  (N x R)
+    next_state = state
+    if is_updating(state.t, cfg):
+        J = H.T @ X  # J_t = H_t^T X_t  (R x D)
+        if with_one:
+            J = torch.cat([J, H.sum(0)[:, None]], dim=1)
+        next_state = _update_fisher(J, H, float(tr_X_t), num_rows, state, rank, cfg)
+    next_state = next_state._replace(t=state.t + 1)
+    if not need_output:
+        return Preconditioned(X, one, one, next_state)
+    X_hat = torch.addmm(X, H, W_x, alpha=-1.0)  # X_hat_t = X_t - H_t W_t
+    row_sq = row_sq_norms(X_hat)
+    x_hat_one = None
+    if with_one:
+        x_hat_one = torch.addmv(one, H, w_1, alpha=-1.0)  # 1 - H_t w_1
+        row_sq = torch.addcmul(row_sq, x_hat_one, x_hat_one)
+    tr_hat = row_sq.sum()
+    scale = torch.where((tr_X_t > 0) & (tr_hat > 0), torch.sqrt(tr_X_t / tr_hat), one)
+    return Preconditioned(X_hat, scale, row_sq, next_state, x_hat_one)
 
 
 def precondition_directions(
@@ -290,27 +357,14 @@ def precondition_directions(
     G_t = F_t + alpha/D tr(F_t) I, and gamma_t = sqrt(tr(X X^T) / tr(X_hat X_hat^T)) so that
     gamma_t X_hat has X's Frobenius norm. Pure: returns the next estimate (t + 1, updated
     when `is_updating`) without touching `state`. Initialises from X when state.t == 0."""
-    num_rows, dim = X.shape
-    one = torch.ones((), dtype=X.dtype, device=X.device)
-    if dim == 1:  # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case)
-        return Preconditioned(X, one, row_sq_norms(X), state._replace(t=state.t + 1))
-    rank = effective_rank(rank, dim)
-    if state.t == 0 or state.W is None:
-        state = init_state(X, rank, cfg)
-    W = state.W
-    tr_X_t = torch.linalg.vector_norm(X).square()
-    H = X @ W.T  # H_t = X_t W_t^T  (N x R)
-    next_state = state
-    if is_updating(state.t, cfg):
-        next_state = _update_fisher(X, H, float(tr_X_t), state, rank, cfg)
-    next_state = next_state._replace(t=state.t + 1)
-    if not need_output:
-        return Preconditioned(X, one, one, next_state)
-    X_hat = torch.addmm(X, H, W, alpha=-1.0)  # X_hat_t = X_t - H_t W_t
-    row_sq = row_sq_norms(X_hat)
-    tr_hat = row_sq.sum()
-    scale = torch.where((tr_X_t > 0) & (tr_hat > 0), torch.sqrt(tr_X_t / tr_hat), one)
-    return Preconditioned(X_hat, scale, row_sq, next_state)
+    return _precondition(X, state, rank, cfg, with_one=False, need_output=need_output)
+
+
+def precondition_with_one(X: torch.Tensor, state: FisherState, rank: int, cfg: NGConfig) -> Preconditioned:
+    """`precondition_directions` of [X, 1] (nnet2 appends a 1 so the bias is preconditioned
+    too) without materialising it: `x_hat` is X_hat's first D columns, `x_hat_one` its last;
+    `row_sq`, `scale` and the estimate are those of the full [X, 1]."""
+    return _precondition(X, state, rank, cfg, with_one=True)
 
 
 class OnlineNaturalGradient:

@@ -1,0 +1,165 @@
+"""labavg.cluster on real ipyparallel MPI engines (2 engines under the venv's MPICH mpiexec).
+
+The tests share one cluster and run in file order: start, runs, stop, a killed engine and
+restart, then shutdown. A tiny synthetic corpus keeps each run to about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labavg.cluster import Cluster, RunError
+from labavg.config import DataConfig, TrainConfig
+from labavg.errors import UserError
+from labavg.model import ModelConfig
+from labavg.runs import read_events, read_summary
+
+pytest.importorskip("ipyparallel")
+pytest.importorskip("mpi4py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from labavg.data.synth import synthesize
+
+    out = tmp_path_factory.mktemp("cluster") / "corpus"
+    synthesize(out, hours=0.02, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cl = Cluster.start(2, device="cpu", profile_dir=str(tmp_path_factory.mktemp("ipython") / "profile"),
+                       timeout=90)
+    yield cl
+    cl.shutdown()
+
+
+def make_cfg(out: Path, corpus: Path, average_every: int, epochs: int = 1) -> TrainConfig:
+    return TrainConfig(out=str(out), ranks=2, backend="mpi", minibatch=64, epochs=epochs,
+                       average_every=average_every, model=ModelConfig(hidden_layers=1, hidden_dim=32),
+                       data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
+                       tensorboard=False)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_engines_are_ordered_by_mpi_rank(cluster):
+    info = cluster.info()
+    assert cluster.ranks == [0, 1]
+    assert [i["rank"] for i in info] == [0, 1] and all(i["size"] == 2 for i in info)
+    assert [i["device"] for i in info] == ["cpu", "cpu"]
+    assert len({i["pid"] for i in info}) == 2 and all(alive(i["pid"]) for i in info)
+    # %px-style code on the view sees the engine's rank and can import labavg
+    cluster.view.execute("import labavg.cluster; seen = (rank, size, str(device))")
+    assert cluster.view.pull("seen") == [(0, 2, "cpu"), (1, 2, "cpu")]
+
+
+def test_submit_refuses_a_non_mpi_config(cluster, corpus, tmp_path):
+    cfg = make_cfg(tmp_path / "r", corpus, 2)
+    cfg.backend = "inproc"
+    with pytest.raises(UserError, match="backend 'inproc'"):
+        cluster.submit(cfg)
+    cfg.backend, cfg.ranks = "mpi", 3
+    with pytest.raises(UserError, match="ranks=3"):
+        cluster.submit(cfg)
+
+
+def _check_complete(history, run_dir: Path, total: int, average_every: int) -> None:
+    """Every step and averaging round of every rank, in order, as in the run's events.jsonl."""
+    on_disk = list(read_events(run_dir))
+    for rank in (0, 1):
+        mine = [e for e in history if e["rank"] == rank]
+        assert mine[0]["type"] == "run_started" and mine[-1]["type"] == "run_finished"
+        assert [e["step"] for e in mine if e["type"] == "minibatch"] == list(range(1, total + 1))
+        rounds = [e["step"] for e in mine if e["type"] == "average"]
+        assert rounds == sorted(set(range(average_every, total + 1, average_every)) | {total})
+        disk = [(e["type"], e.get("step")) for e in on_disk if e["rank"] == rank]
+        assert [(e["type"], e.get("step")) for e in mine] == disk
+
+
+def test_run_streams_events_while_running_and_history_is_complete(cluster, corpus, tmp_path):
+    handle = cluster.submit(make_cfg(tmp_path / "k2", corpus, 2))
+    seen = list(handle.events(timeout=120))
+    summary = handle.wait(timeout=10)
+    assert handle.done and handle.gaps == []
+    assert seen == handle.history
+    total = handle.history[0]["steps_per_epoch"]
+    assert summary["steps"] == total and summary["average_every"] == 2
+    assert summary == read_summary(tmp_path / "k2")
+    _check_complete(handle.history, tmp_path / "k2", total, 2)
+    # streamed, not delivered at the end: the first events arrived before the last was created
+    assert min(e["t_arrived"] for e in seen) < max(e["t_created"] for e in seen)
+    assert {e["rank"] for e in seen if e["t_arrived"] < max(x["t_created"] for x in seen)} == {0, 1}
+    latency = handle.latency()
+    print(f"event latency over {latency['count']} events: median {latency['median'] * 1e3:.1f} ms, "
+          f"p95 {latency['p95'] * 1e3:.1f} ms")
+    assert latency["count"] == len(seen) and 0 < latency["median"] < 1.0
+
+
+def test_second_run_reuses_the_warm_engines(cluster, corpus, tmp_path):
+    pids = [i["pid"] for i in cluster.info()]
+    handle = cluster.submit(make_cfg(tmp_path / "k8", corpus, 8))
+    summary = handle.wait(timeout=120)
+    total = handle.history[0]["steps_per_epoch"]
+    assert summary["average_every"] == 8 and summary["averaging_rounds"] == -(-total // 8)
+    _check_complete(handle.history, tmp_path / "k8", total, 8)
+    assert [i["pid"] for i in cluster.info()] == pids
+
+
+def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
+    handle = cluster.submit(make_cfg(tmp_path / "stop", corpus, 4, epochs=40))
+    for event in handle.events(timeout=120):
+        if event["type"] == "average" and event["round"] >= 2:
+            handle.stop()
+            break
+    summary = handle.wait(timeout=60)
+    planned = handle.history[0]["steps_per_epoch"] * 40
+    assert summary["steps"] < planned and summary["steps"] % 4 == 0
+    for rank in (0, 1):
+        mine = [e for e in handle.history if e["rank"] == rank]
+        assert [e["type"] for e in mine[-3:]] == ["message", "checkpoint", "run_finished"]
+        assert mine[-3]["text"] == "stopped on request"
+        assert {e["step"] for e in mine[-3:]} == {summary["steps"]}
+
+
+def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corpus, tmp_path):
+    victim = cluster.info()[1]["pid"]
+    handle = cluster.submit(make_cfg(tmp_path / "dead", corpus, 20, epochs=40))
+    for event in handle.events(timeout=120):
+        if event["rank"] == 1 and event["type"] == "minibatch" and event["step"] >= 3:
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            break
+    with pytest.raises(RunError) as failure:
+        handle.wait(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert failure.value.rank == 1 and failure.value.step is not None and failure.value.step >= 3
+    assert str(failure.value).startswith("rank 1 died") and f"step {failure.value.step}" in str(failure.value)
+
+    handle.kill()  # the survivor is stuck in (or aborted by) the collective: fresh engines
+    assert cluster.ranks == [0, 1] and not alive(victim)
+    assert victim not in [i["pid"] for i in cluster.info()]
+    summary = cluster.submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
+    assert summary["average_every"] == 8 and summary["steps"] > 0
+
+
+def test_shutdown_leaves_no_processes(cluster):
+    pids = cluster.process_ids()
+    assert len(pids) >= 4  # controller, mpiexec, 2 engines (plus schedulers, proxies, nannies)
+    cluster.shutdown()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in pids if alive(pid)] == []
