@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +120,33 @@ def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
     )
 
 
-def _rank_state(step, flat, optimizer, newbob, totals, epoch_sums, rounds) -> dict[str, Any]:
-    return {
-        "step": step,
-        "params": flat.detach().cpu().clone(),
-        "optimizer": optimizer.state_dict(),
-        "newbob": None if newbob is None else to_dict(newbob),
-        "totals": dict(totals),
-        "epoch_sums": epoch_sums.clone(),
-        "rounds": rounds,
-    }
+@dataclass
+class Progress:
+    """What changes on a rank as training goes on, besides the model and optimizer.
+
+    Checkpointed with them. No random-number state is needed: after initialisation the only
+    randomness is the data order, a pure function of (seed, epoch, rank).
+    """
+
+    step: int = 0  # minibatches done since the start of the run
+    rounds: int = 0  # averaging rounds done
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    epoch_sums: torch.Tensor = field(  # this epoch's [summed loss, correct, frames]
+        default_factory=lambda: torch.zeros(3, dtype=torch.float64)
+    )
+    newbob: NewbobState | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values and tensors (loadable with weights_only=True)."""
+        return {**asdict(self), "epoch_sums": self.epoch_sums.clone(),
+                "newbob": None if self.newbob is None else asdict(self.newbob)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Progress:
+        """Inverse of state_dict."""
+        newbob = state.get("newbob")
+        return cls(**{**state, "newbob": None if newbob is None else NewbobState(**newbob)})
 
 
 def train_rank(
@@ -149,7 +166,7 @@ def train_rank(
     stop together after that round (with a checkpoint, so the run can be resumed).
     """
     wall_start = time.perf_counter()
-    device = device or torch.device(cfg.device if cfg.device != "auto" else "cpu")
+    device = device or torch.device("cpu")
     rank, size = comm.rank, comm.size
     K = cfg.averaging_interval()
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
@@ -170,37 +187,34 @@ def train_rank(
     broadcast_parameters(flat, comm)
     optimizer = make_optimizer(
         cfg.optimizer, model, max_change_per_sample=cfg.max_change_per_sample,
-        max_param_change=cfg.max_param_change, **({"config": cfg.ngsgd} if cfg.optimizer == "ngsgd" else {}),
+        max_param_change=cfg.max_param_change,
+        **({"config": cfg.ngsgd} if cfg.optimizer == "ngsgd" else {}),
     )
-    lr0 = scale_lr(cfg.lr, size, cfg.lr_scaling)
+    lr0 = scale_lr(cfg.lr, size, cfg.lr_scaling)  # the paper's N x learning rate
     lr_final = scale_lr(cfg.final_learning_rate(), size, cfg.lr_scaling)
 
-    step, rounds = 0, 0
-    totals = {"compute": 0.0, "comm": 0.0}
-    epoch_sums = torch.zeros(3, dtype=torch.float64)  # this epoch's [loss_sum, correct, frames]
-    newbob: NewbobState | None = None
+    progress = Progress()
     found = checkpoint.latest_step(run_dir) if (resume and run_dir is not None) else None
     if found is not None:
         state = checkpoint.load_rank_state(run_dir, found[0], rank)
         flat.copy_(state["params"].to(device))
         optimizer.load_state_dict(state["optimizer"])
-        newbob = None if state["newbob"] is None else NewbobState(**state["newbob"])
-        step, rounds = state["step"], state["rounds"]
-        totals.update(state["totals"])
-        epoch_sums = state["epoch_sums"]
+        progress = Progress.from_state_dict(state["progress"])
     elif cfg.pretrain == "rbm":
         yield from _pretrain(model, cfg, source, train_keys, comm, device)
         broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
-
-    if cfg.schedule == "newbob" and newbob is None:
+    if cfg.schedule == "newbob" and progress.newbob is None:
         cv_loss0, cv_acc0 = _global_cv(model, source, cv_keys, cfg, comm, device)
-        newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
+        progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
+
+    def save() -> CheckpointSaved:
+        return _save(run_dir, comm, progress, flat, optimizer, cfg)
 
     yield RunStarted(
         rank=rank, size=size, device=str(device), num_params=count_parameters(model),
-        num_pdfs=source.num_pdfs, input_dim=model.hidden[0].in_features if model.hidden else
-        model.output.in_features, steps_per_epoch=num_steps, train_utterances=len(train_keys),
-        cv_utterances=len(cv_keys), average_every=K, effective_lr=lr0, start_step=step,
+        num_pdfs=source.num_pdfs, input_dim=_input_dim(model),
+        steps_per_epoch=num_steps, train_utterances=len(train_keys), cv_utterances=len(cv_keys),
+        average_every=K, effective_lr=lr0, start_step=progress.step,
     )
 
     cv_loss = cv_acc = math.nan
@@ -208,20 +222,23 @@ def train_rank(
     round_compute, round_frames = 0.0, 0
     last_average = flat.clone()  # restored if every rank ever diverges at once
     stopped = False
-    while step < total_steps and not stopped:
-        epoch, start = divmod(step, num_steps)
+    while progress.step < total_steps and not stopped:
+        epoch, start = divmod(progress.step, num_steps)
         epoch_start_time = time.perf_counter()
-        accepted_params = flat.clone() if cfg.schedule == "newbob" else None
+        accepted_params = flat.clone() if progress.newbob is not None else None
         for x, y in batches.epoch(epoch, start_step=start):
-            lr = _learning_rate(cfg, newbob, lr0, lr_final, step, total_steps)
+            lr = _learning_rate(progress.newbob, lr0, lr_final, progress.step, total_steps)
             t0 = time.perf_counter()
             result = train_step(model, optimizer, x.to(device), y.to(device), lr)
             seconds = time.perf_counter() - t0
-            totals["compute"] += seconds
+            progress.compute_seconds += seconds
             round_compute += seconds
             round_frames += result.frames
-            epoch_sums += torch.tensor([result.loss_sum, result.correct, result.frames], dtype=torch.float64)
-            step += 1
+            progress.epoch_sums += torch.tensor(
+                [result.loss_sum, result.correct, result.frames], dtype=torch.float64
+            )
+            progress.step += 1
+            step = progress.step
             if step % cfg.log_every == 0 or not result.stats.applied:
                 yield MinibatchDone(
                     rank=rank, epoch=epoch, step=step, loss=result.loss_sum / result.frames,
@@ -232,66 +249,72 @@ def train_rank(
                 yield Message(rank=rank, step=step, text="non-finite update skipped")
             apply_fault(fault, rank, step, flat)
             end_of_epoch = step % num_steps == 0
-            if step % K == 0 or end_of_epoch:
-                wants_stop = should_stop is not None and should_stop()
-                avg = average_parameters(flat, comm, stop=wants_stop, fallback=last_average)
-                last_average.copy_(flat)
-                rounds += 1
-                totals["comm"] += avg.comm_seconds
-                if not avg.finite:
-                    yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
-                                  "average; this rank restarts from the averaged model")
-                yield Averaged(
-                    rank=rank, round=rounds, step=step, divergence=avg.divergence,
-                    compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
-                    frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
-                )
-                round_compute, round_frames = 0.0, 0
-                if avg.stop and not end_of_epoch:
-                    stopped = True
-                    yield Message(rank=rank, step=step, text="stopped on request")
-                    if run_dir is not None:
-                        yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
-                    break
-                if run_dir is not None and not end_of_epoch and rounds % cfg.checkpoint_every == 0:
-                    yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
-        if stopped:
+            if step % K != 0 and not end_of_epoch:
+                continue
+
+            # Averaging round (Su & Chen 2015): one allreduce of the flat parameter buffer.
+            wants_stop = should_stop is not None and should_stop()
+            avg = average_parameters(flat, comm, stop=wants_stop, fallback=last_average)
+            last_average.copy_(flat)
+            progress.rounds += 1
+            progress.comm_seconds += avg.comm_seconds
+            if not avg.finite:
+                yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
+                              "average; this rank restarts from the averaged model")
+            yield Averaged(
+                rank=rank, round=progress.rounds, step=step, divergence=avg.divergence,
+                compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
+                frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
+            )
+            round_compute, round_frames = 0.0, 0
+            if avg.stop:
+                stopped = True
+                yield Message(rank=rank, step=step, text="stopped on request")
+            if end_of_epoch:
+                break
+            if run_dir is not None and (stopped or progress.rounds % cfg.checkpoint_every == 0):
+                yield save()
+            if stopped:
+                break
+        if stopped and not end_of_epoch:
             break
 
         # Epoch end: every rank holds the averaged model; evaluate it on the CV set.
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
-        cv_step = step
-        accepted, stop = True, False
-        if newbob is not None:
-            decision = newbob_step(newbob, _newbob_value(cfg, cv_loss, cv_acc), cfg.newbob)
-            accepted, stop, newbob = decision.accept, decision.stop, decision.state
-            if not accepted:
+        cv_step = progress.step
+        accepted = True
+        if progress.newbob is not None:
+            decision = newbob_step(progress.newbob, _newbob_value(cfg, cv_loss, cv_acc), cfg.newbob)
+            accepted, progress.newbob = decision.accept, decision.state
+            if not accepted:  # Newbob rejects the epoch: back to the last accepted model
                 flat.copy_(accepted_params)
                 last_average.copy_(flat)
-        loss_sum, correct, frames = epoch_sums.tolist()
+            if decision.stop:
+                yield Message(rank=rank, step=progress.step, text="Newbob schedule stopped training")
+                total_steps = progress.step
+        loss_sum, correct, frames = progress.epoch_sums.tolist()
         yield EpochDone(
-            rank=rank, epoch=epoch, step=step, train_loss=loss_sum / max(frames, 1),
-            train_frame_accuracy=correct / max(frames, 1), cv_loss=cv_loss, cv_frame_accuracy=cv_acc,
-            lr=lr, accepted=accepted, seconds=time.perf_counter() - epoch_start_time,
+            rank=rank, epoch=epoch, step=progress.step, train_loss=loss_sum / max(frames, 1),
+            train_frame_accuracy=correct / max(frames, 1), cv_loss=cv_loss,
+            cv_frame_accuracy=cv_acc, lr=lr, accepted=accepted,
+            seconds=time.perf_counter() - epoch_start_time,
         )
-        epoch_sums = torch.zeros(3, dtype=torch.float64)
-        if stop:
-            yield Message(rank=rank, step=step, text="Newbob schedule stopped training")
-            total_steps = step
-        if avg.stop:
-            stopped = True
-            yield Message(rank=rank, step=step, text="stopped on request")
+        progress.epoch_sums = torch.zeros(3, dtype=torch.float64)
         if run_dir is not None:
-            yield _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds)
+            yield save()
 
-    if cv_step != step:  # stopped mid-epoch or resumed at the end: CV of the final model
+    if cv_step != progress.step:  # stopped mid-epoch or resumed at the end: CV of the final model
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
     yield RunFinished(
-        rank=rank, step=step, wall_seconds=time.perf_counter() - wall_start,
-        compute_seconds=totals["compute"], comm_seconds=totals["comm"], averaging_rounds=rounds,
-        frames_trained=step * cfg.minibatch * size, cv_loss=cv_loss, cv_frame_accuracy=cv_acc,
-        stopped=stopped,
+        rank=rank, step=progress.step, wall_seconds=time.perf_counter() - wall_start,
+        compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
+        averaging_rounds=progress.rounds, frames_trained=progress.step * cfg.minibatch * size,
+        cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped,
     )
+
+
+def _input_dim(model: DNN) -> int:
+    return model.hidden[0].in_features if model.hidden else model.output.in_features
 
 
 def _newbob_value(cfg: TrainConfig, cv_loss: float, cv_acc: float) -> float:
@@ -299,23 +322,27 @@ def _newbob_value(cfg: TrainConfig, cv_loss: float, cv_acc: float) -> float:
     return cv_acc * 100.0 if cfg.newbob.criterion == "frame_accuracy" else cv_loss
 
 
-def _learning_rate(cfg, newbob, lr0, lr_final, step, total_steps) -> float:
+def _learning_rate(newbob, lr0, lr_final, step, total_steps) -> float:
     if newbob is not None:
         return lr0 * newbob.lr_scale
     return exponential_lr(lr0, lr_final, step / max(total_steps - 1, 1))
 
 
-def _save(run_dir, comm, step, flat, optimizer, newbob, totals, epoch_sums, rounds) -> CheckpointSaved:
+def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg) -> CheckpointSaved:
     """Every rank saves its file; rank 0 publishes the checkpoint once all are on disk."""
-    checkpoint.save_rank_state(
-        run_dir, step, comm.rank, _rank_state(step, flat, optimizer, newbob, totals, epoch_sums, rounds)
-    )
+    state = {
+        "params": flat.detach().cpu().clone(),
+        "optimizer": optimizer.state_dict(),
+        "progress": progress.state_dict(),
+        "config": to_dict(cfg),
+    }
+    checkpoint.save_rank_state(run_dir, progress.step, comm.rank, state)
     comm.barrier()
-    path = checkpoint.checkpoint_dir(run_dir) / f"{step:09d}"
     if comm.rank == 0:
-        checkpoint.commit_checkpoint(run_dir, step, comm.size)
+        checkpoint.commit_checkpoint(run_dir, progress.step, comm.size)
     comm.barrier()  # nobody runs ahead into a later save before the manifest is written
-    return CheckpointSaved(rank=comm.rank, step=step, path=str(path))
+    path = checkpoint.checkpoint_dir(run_dir) / f"{progress.step:09d}"
+    return CheckpointSaved(rank=comm.rank, step=progress.step, path=str(path))
 
 
 def train(
