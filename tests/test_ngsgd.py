@@ -15,14 +15,22 @@ from labavg.averaging import flatten_parameters
 from labavg.errors import UserError
 from labavg.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
+from labavg.optim.max_change import per_sample_scale
 from labavg.optim.ngsgd import (
     NGSGD,
+    FisherState,
     NGConfig,
     OnlineNaturalGradient,
     compute_beta,
+    compute_et,
+    compute_wt1,
+    compute_zt,
+    effective_rank,
     eta,
+    init_default,
     is_updating,
     precondition_directions,
+    reorthogonalize_rt1,
 )
 from labavg.optim.sgd import SGD
 
@@ -229,3 +237,114 @@ def test_factory_names_choices_on_bad_name():
     assert isinstance(make_optimizer("ngsgd", model), NGSGD)
     with pytest.raises(UserError, match="'adam'.*sgd.*ngsgd"):
         make_optimizer("adam", model)
+
+
+# --- The implementation before the speed-ups (bias column materialised, J from X), kept
+# verbatim as the reference the optimised step must reproduce to float tolerance. ---
+
+
+def _reference_update_fisher(X, H, tr_X, state, rank, cfg):
+    num_rows, dim = X.shape
+    W, d, rho = state.W, state.d, state.rho
+    eta_t = eta(num_rows, cfg)
+    J = H.T @ X
+    if num_rows > dim:
+        LK = torch.cat([W, J]) @ J.T
+    else:
+        LK = torch.cat([H.T @ H, J @ J.T])
+    LK = LK.to("cpu", torch.float64)
+    if not (bool(torch.isfinite(LK).all()) and math.isfinite(tr_X)):
+        return state
+    L, K = LK[:rank], LK[rank:]
+    beta = compute_beta(rho, d, dim, cfg.alpha)
+    _, _, inv_sqrt_e = compute_et(d, beta)
+    Z = compute_zt(num_rows, rho, d, inv_sqrt_e, K, L, eta_t)
+    z_scale = max(1.0, float(torch.trace(Z)))
+    c, U = torch.linalg.eigh(Z / z_scale)
+    c, U = c.flip(0) * z_scale, U.flip(1)
+    must_reorthogonalize = bool(c[0] > cfg.condition_threshold * c[-1])
+    c_floor = (rho * (1.0 - eta_t)) ** 2
+    if bool((c < c_floor).any()):
+        must_reorthogonalize = True
+        c = c.clamp(min=c_floor)
+    sqrt_c = c.sqrt()
+    rho1 = (
+        eta_t / num_rows * tr_X + (1.0 - eta_t) * (dim * rho + float(d.sum())) - float(sqrt_c.sum())
+    ) / (dim - rank)
+    d1 = sqrt_c - rho1
+    floor_val = max(cfg.epsilon, cfg.delta * float(sqrt_c.max()))
+    rho1 = max(rho1, floor_val)
+    d1 = d1.clamp(min=floor_val)
+    W1 = compute_wt1(num_rows, d, d1, rho, rho1, U, sqrt_c, inv_sqrt_e, W, J, eta_t, cfg.alpha)
+    if must_reorthogonalize:
+        W1 = reorthogonalize_rt1(d1, rho1, W1, cfg)
+    return FisherState(W=W1, d=d1, rho=rho1, t=state.t)
+
+
+def _reference_precondition(X, state, rank, cfg, need_output=True):
+    num_rows, dim = X.shape
+    one = torch.ones((), dtype=X.dtype)
+    rank = effective_rank(rank, dim)
+    if state.t == 0 or state.W is None:
+        state = init_default(dim, rank, cfg, X.dtype, X.device)._replace(t=1)
+        for _ in range(1 if num_rows <= rank else 3):
+            state = _reference_precondition(X, state, rank, cfg, need_output=False)[3]
+        state = state._replace(t=0)
+    W = state.W
+    tr_X_t = torch.linalg.vector_norm(X).square()
+    H = X @ W.T
+    next_state = state
+    if is_updating(state.t, cfg):
+        next_state = _reference_update_fisher(X, H, float(tr_X_t), state, rank, cfg)
+    next_state = next_state._replace(t=state.t + 1)
+    if not need_output:
+        return X, one, one, next_state
+    X_hat = torch.addmm(X, H, W, alpha=-1.0)
+    row_sq = torch.linalg.vector_norm(X_hat, dim=1).square()
+    tr_hat = row_sq.sum()
+    scale = torch.where((tr_X_t > 0) & (tr_hat > 0), torch.sqrt(tr_X_t / tr_hat), one)
+    return X_hat, scale, row_sq, next_state
+
+
+def _reference_layer_update(x, dy, s_in, s_out, cfg, lr, mcps):
+    """The old NGSGD._layer_update: (weight update, bias update, factor, new states)."""
+    x = F.pad(x, (0, 1), value=1.0)
+    xh, g_in, sq_in, s_in = _reference_precondition(x, s_in, cfg.rank_in, cfg)
+    yh, g_out, sq_out, s_out = _reference_precondition(dy, s_out, cfg.rank_out, cfg)
+    scale = g_in * g_out
+    factor = per_sample_scale(sq_in, sq_out, scale * lr, mcps)
+    delta = torch.mm(yh.T, xh) * (scale * factor * -lr)
+    return delta[:, :-1], delta[:, -1], factor, s_in, s_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_optimised_layer_update_matches_previous_implementation(dtype, one_thread):
+    gen = torch.Generator().manual_seed(5)
+    dim_in, dim_out, n, lr = 48, 24, 32, 0.02
+    cfg = NGConfig(rank_in=6, rank_out=10)
+    opt = NGSGD(nn.Linear(dim_in, dim_out).to(dtype), config=cfg, max_change_per_sample=0.075)
+    layer = opt.linears[0]
+    in_scales = torch.logspace(1, -1, dim_in, dtype=dtype)
+    ref_in = ref_out = FisherState(W=None, d=None, rho=cfg.epsilon, t=0)
+    tol = {"rtol": 2e-4, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-12}
+    factors = []
+    for step in range(16):  # init, the 10 always-updating steps, then t=11..13 (no update), 14
+        x = torch.randn(n, dim_in, generator=gen, dtype=dtype) * in_scales + 0.5
+        dy = torch.randn(n, dim_out, generator=gen, dtype=dtype) * (1.0 + step)
+        w_ref, b_ref, f_ref, ref_in, ref_out = _reference_layer_update(x, dy, ref_in, ref_out, cfg, lr, 0.075)
+        opt.tap._records[0] = [[x, dy]]  # what the forward/backward hooks would have recorded
+        update, p_in, p_out = opt._layer_update(0, lr)
+        assert update.params[0] is layer.weight and update.params[1] is layer.bias
+        torch.testing.assert_close(update.deltas[0] * update.coef, w_ref, **tol)
+        torch.testing.assert_close(update.deltas[1] * update.coef, b_ref, **tol)
+        torch.testing.assert_close(update.factor, f_ref, **tol)
+        for new, ref in ((p_in.state, ref_in), (p_out.state, ref_out)):
+            assert new.t == ref.t
+            torch.testing.assert_close(new.W, ref.W, **tol)
+            torch.testing.assert_close(new.d, ref.d, rtol=tol["rtol"], atol=0.0)
+            assert new.rho == pytest.approx(ref.rho, rel=tol["rtol"])
+        opt.preconditioners[0][0].commit(p_in)
+        opt.preconditioners[0][1].commit(p_out)
+        opt.tap.clear()
+        factors.append(float(f_ref))
+    assert min(factors) < 1.0  # the max-change factor is exercised, not always 1

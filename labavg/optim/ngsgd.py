@@ -307,7 +307,7 @@ def _precondition(
     num_rows, dim_x = X.shape
     dim = dim_x + 1 if with_one else dim_x
     one = torch.ones((), dtype=X.dtype, device=X.device)
-    if dim == 1 or (with_one and dim_x == 0):
+    if dim == 1:
         # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case)
         full = append_one(X) if with_one else X
         return Preconditioned(
@@ -451,20 +451,22 @@ class NGSGD:
             return None
         layer = self.linears[index]
         x, dy = taken
-        if layer.bias is not None:
-            x = F.pad(x, (0, 1), value=1.0)  # nnet2 appends a 1 so the bias is preconditioned too
         pre_in, pre_out = self.preconditioners[index]
-        p_in = pre_in.precondition(x)
+        if layer.bias is None:
+            p_in = pre_in.precondition(x)
+        else:  # nnet2 appends a 1 so the bias is preconditioned too; done analytically here
+            p_in = precondition_with_one(x, pre_in.state, pre_in.rank, pre_in.config)
         p_out = pre_out.precondition(dy.to(x.dtype))
         scale = p_in.scale * p_out.scale
         factor = per_sample_scale(p_in.row_sq, p_out.row_sq, scale * lr, self.max_change_per_sample)
-        delta = torch.mm(p_out.x_hat.T, p_in.x_hat)  # dY_hat^T X_hat; its scale goes in coef
-        coef = scale * factor * -lr
+        # dY_hat^T [X_hat, x_hat_one] as separate weight and bias parts: a 513-wide product
+        # is ~50% slower than a 512-wide one on MKL, and slicing it gives strided deltas.
+        dy_hat_t = p_out.x_hat.T
+        coef = scale * factor * -lr  # the deltas' scale gamma_in * gamma_out goes in coef
         if layer.bias is None:
-            update = LayerUpdate([layer.weight], [delta], coef, factor)
+            update = LayerUpdate([layer.weight], [torch.mm(dy_hat_t, p_in.x_hat)], coef, factor)
         else:
-            dim_in = layer.in_features
-            deltas = [delta[:, :dim_in], delta[:, dim_in]]
+            deltas = [torch.mm(dy_hat_t, p_in.x_hat), torch.mv(dy_hat_t, p_in.x_hat_one)]
             update = LayerUpdate([layer.weight, layer.bias], deltas, coef, factor)
         return update, p_in, p_out
 
