@@ -79,6 +79,13 @@ def bind_engine(device: str) -> dict[str, Any]:
             "host": socket.gethostname(), "pid": os.getpid(), "device": str(bound)}
 
 
+def mpi_world_size() -> int:
+    """On an engine: the size of MPI_COMM_WORLD (not collective)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
 class EngineRun:
     """One engine's part of a run: a training thread and a publisher thread.
 
@@ -188,10 +195,11 @@ def request_stop(run_id: str) -> bool:
 def mpi_launcher_config(extra_args: list[str] | None = None):
     """traitlets Config making ipyparallel's MPI engine launcher run the venv's MPICH locally.
 
-    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, the
-    LOOPBACK_MPICH_ENV settings keep rank traffic on 127.0.0.1, and `-disable-auto-cleanup`
-    lets hydra leave the other ranks alone when one dies, so the client can name the dead rank
-    (`RunHandle` then kills the stuck survivors itself).
+    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, and the
+    LOOPBACK_MPICH_ENV settings keep rank traffic on 127.0.0.1. With `-disable-auto-cleanup`
+    hydra does not kill the other ranks at once when one dies: they end when their next
+    collective fails, or hang, so the client sees the dead rank go first and can name it
+    (`RunHandle.kill` ends the rest).
     """
     from traitlets.config import Config
 
@@ -283,28 +291,44 @@ class Cluster:
     @classmethod
     def attach(cls, profile: str = "default", cluster_id: str = "", *, device: str = "auto",
                timeout: float = 120.0, **kw) -> Cluster:
-        """Connect to a running `ipcluster start --engines=mpi [--profile=...] [--cluster-id=...]`.
+        """Connect to running MPI engines of `profile` / `cluster_id`.
 
-        `shutdown()` of an attached cluster only disconnects; `kill()` restarts its engines
-        through the cluster file's launcher, which works where the launcher's process is local.
+        Started by `ipcluster start --engines=mpi` (its cluster file lets `kill()` restart the
+        engines, from the machine that runs ipcluster), or by `ipcontroller` + `srun ipengine
+        --mpi` (only the client connection file exists: `kill()` can then signal engines on
+        this host but not start new ones). `shutdown()` of an attached cluster only disconnects.
+        Extra keywords (e.g. `profile_dir`) go to ipyparallel.
         """
         import ipyparallel as ipp
 
-        ipp_cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, **kw)
-        client = ipp_cluster.connect_client_sync()
+        try:
+            ipp_cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, **kw)
+        except FileNotFoundError:
+            ipp_cluster = None
+        if ipp_cluster is not None:
+            if "mpi_cmd" not in ipp_cluster.config.MPIEngineSetLauncher:
+                # a restart from here starts engines the way Cluster.start does
+                ipp_cluster.config.merge(mpi_launcher_config())
+            client = ipp_cluster.connect_client_sync()
+        else:
+            client = ipp.Client(profile=profile, cluster_id=cluster_id or None, **kw)
         cluster = cls(ipp_cluster, client, device=device, owned=False, timeout=timeout)
         cluster._bind(None)
         return cluster
 
     def _bind(self, n: int | None) -> None:
-        """Wait for `n` live engines, bind their devices and order them by MPI rank."""
+        """Wait for `n` engines (None: the MPI world's size), bind their devices, order by rank."""
         deadline = time.monotonic() + self._timeout
         while True:
             ids = list(self.client.ids)
-            if n is None or len(ids) >= n:
+            if n is None and ids:
+                # binding is collective over COMM_WORLD: wait for every rank of the world
+                n = self.client[ids[0]].apply_async(mpi_world_size).get(timeout=self._timeout)
+            if n is not None and len(ids) >= n:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(ids)} of {n} engines registered in {self._timeout:.0f} s")
+                raise TimeoutError(
+                    f"only {len(ids)} of {n or 'the'} engines registered in {self._timeout:.0f} s")
             time.sleep(0.1)
         infos = self.client[ids].apply_async(bind_engine, self.device).get(timeout=self._timeout)
         for engine_id, info in zip(ids, infos):
@@ -317,6 +341,11 @@ class Cluster:
         self._pids |= set(self.process_ids())
 
     # -- what the cluster is
+
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown()` was called."""
+        return self._closed
 
     @property
     def ranks(self) -> list[int]:
@@ -336,14 +365,14 @@ class Cluster:
         return view
 
     @property
-    def cluster_id(self) -> str:
-        """The ipyparallel cluster id (for `Cluster.attach`)."""
-        return self._ipp.cluster_id
+    def cluster_id(self) -> str | None:
+        """The ipyparallel cluster id (for `Cluster.attach`); None when attached without one."""
+        return None if self._ipp is None else self._ipp.cluster_id
 
     @property
-    def profile_dir(self) -> str:
+    def profile_dir(self) -> str | None:
         """The IPython profile directory holding the connection files."""
-        return self._ipp.profile_dir
+        return None if self._ipp is None else self._ipp.profile_dir
 
     def info(self) -> list[dict[str, Any]]:
         """Per engine, in rank order: rank, size, local_rank, host, pid, device, engine_id."""
@@ -354,7 +383,10 @@ class Cluster:
         import psutil
 
         pids = set()
-        launchers = ([self._ipp.controller] if self._ipp.controller else []) + list(self._ipp.engines.values())
+        launchers = []
+        if self._ipp is not None:
+            launchers = [self._ipp.controller] if self._ipp.controller else []
+            launchers += list(self._ipp.engines.values())
         for launcher in launchers:
             pid = getattr(launcher, "pid", None)
             if not pid or not _pid_alive(pid):
@@ -370,7 +402,8 @@ class Cluster:
 
     # -- runs
 
-    def submit(self, cfg: TrainConfig, *, heartbeat: float = 0.5, silence_timeout: float = 15.0) -> RunHandle:
+    def submit(self, cfg: TrainConfig, *, heartbeat: float = 0.5,
+               silence_timeout: float = 15.0) -> RunHandle:
         """Start `cfg` on all engines (cfg.backend must be "mpi") and return its handle at once.
 
         `silence_timeout`: seconds without a heartbeat after which an engine counts as dead.
@@ -378,7 +411,10 @@ class Cluster:
         if cfg.backend != "mpi":
             raise UserError(f"a cluster runs backend 'mpi'; the config has backend {cfg.backend!r}")
         if cfg.ranks not in (1, len(self._infos)):
-            raise UserError(f"the config asks for ranks={cfg.ranks} but the cluster has {len(self._infos)} engines")
+            raise UserError(
+                f"the config asks for ranks={cfg.ranks} but the cluster has {len(self._infos)} engines")
+        if self._run is not None:
+            self._run.poll()  # a run that ended unwatched is only known to have ended once polled
         if self._run is not None and not self._run.done:
             raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
         run_id = uuid.uuid4().hex[:12]
@@ -402,6 +438,9 @@ class Cluster:
         old = set(self.engine_ids)
         host = socket.gethostname()
         _signal_pids([info["pid"] for info in self._infos if info["host"] == host])
+        if self._ipp is None:
+            raise RuntimeError("attached without an ipcluster file, so the engines cannot be restarted "
+                               "from here: start new engines (srun ipengine --mpi) and attach again")
         self._ipp.restart_engines_sync()
         # New engines ask for their MPI rank as engine id, so wait until the controller has
         # dropped the old ones (each engine's nanny reports its death at once) before binding.
@@ -464,7 +503,7 @@ class RunHandle:
         self.killed = False
         # When one rank dies, MPICH takes the others down within about a collective; a fast
         # liveness sweep records who went first, so the error names the rank that died.
-        self._died_at: dict[int, tuple[float, int]] = {}
+        self._died_at: dict[int, tuple[int, int]] = {}  # rank -> (sweep number, last step)
         local = [rank for rank, info in enumerate(infos) if info["host"] == socket.gethostname()]
         threading.Thread(target=self._sweep, args=(local,), name=f"labavg-watch-{run_id}",
                          daemon=True).start()
@@ -541,11 +580,13 @@ class RunHandle:
         return " before its first step" if step is None else f" (its last event was at step {step})"
 
     def _sweep(self, local_ranks: list[int], period: float = 0.02) -> None:
-        """Record when each local engine process is first seen gone (until the run ends)."""
-        while not self.done:
+        """Record in which sweep each local engine process is first seen gone (until the run ends)."""
+        sweep = 0
+        while not self.done and not self._cluster.closed:
             for rank in local_ranks:
                 if rank not in self._died_at and not _pid_alive(self._infos[rank]["pid"]):
-                    self._died_at[rank] = (time.monotonic(), self._last_step[rank] or 0)
+                    self._died_at[rank] = (sweep, self._last_step[rank] or 0)
+            sweep += 1
             time.sleep(period)
 
     def _first_dead(self) -> int | None:
@@ -559,8 +600,8 @@ class RunHandle:
         dead = self._first_dead()
         if dead is not None:
             info = self._infos[dead]
-            self.error = RunError(f"rank {dead} died (engine {info['engine_id']}, pid {info['pid']} is "
-                                  f"gone){self._at_step(dead)}", dead, self._last_step[dead])
+            self.error = RunError(f"rank {dead} died (engine {info['engine_id']}, pid {info['pid']} "
+                                  f"is gone){self._at_step(dead)}", dead, self._last_step[dead])
             return
         registered = set(self._cluster.client.ids)
         now = time.monotonic()
@@ -581,11 +622,16 @@ class RunHandle:
                 elif now - self._beat[rank][1] > self._silence:
                     reason = f"went silent (no heartbeat for {now - self._beat[rank][1]:.0f} s)"
             if reason is not None:
-                self.error = RunError(f"rank {rank} {reason}{self._at_step(rank)}", rank, self._last_step[rank])
+                self.error = RunError(f"rank {rank} {reason}{self._at_step(rank)}", rank,
+                                      self._last_step[rank])
                 return
 
-    def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
-        """Yield events as they arrive until the run ends; raise RunError if it failed."""
+    def events(self, timeout: float | None = None, *,
+               interval: float = _POLL_SECONDS) -> Iterator[dict[str, Any]]:
+        """Yield events as they arrive (polling every `interval` s) until the run ends.
+
+        Raises RunError if the run failed, TimeoutError after `timeout` seconds.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             finished = self.done
@@ -594,7 +640,7 @@ class RunHandle:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.run_id} still going after {timeout} s")
-            time.sleep(_POLL_SECONDS)
+            time.sleep(interval)
         if self.error is not None:
             raise self.error
 

@@ -118,6 +118,28 @@ def test_second_run_reuses_the_warm_engines(cluster, corpus, tmp_path):
     assert [i["pid"] for i in cluster.info()] == pids
 
 
+def test_an_exception_on_the_engines_names_the_rank(cluster, corpus, tmp_path):
+    cfg = make_cfg(tmp_path / "bad", corpus, 2)
+    cfg.data.data = str(tmp_path / "no-such-corpus")
+    handle = cluster.submit(cfg)
+    with pytest.raises(RunError) as failure:
+        handle.wait(timeout=60)
+    assert failure.value.rank == 0 and str(failure.value).startswith("rank 0 raised ")
+    assert "no-such-corpus" in str(failure.value) and "Traceback" in failure.value.remote_traceback
+    assert handle.done and handle.history == []
+
+
+def test_attach_finds_the_running_engines_and_detaches_without_stopping_them(cluster):
+    attached = Cluster.attach(profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
+                              device="cpu", timeout=30)
+    try:
+        assert attached.info() == cluster.info()
+    finally:
+        attached.shutdown()
+    assert all(alive(i["pid"]) for i in cluster.info())
+    assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
+
+
 def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
     handle = cluster.submit(make_cfg(tmp_path / "stop", corpus, 4, epochs=40))
     for event in handle.events(timeout=120):
@@ -153,6 +175,20 @@ def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corp
     assert victim not in [i["pid"] for i in cluster.info()]
     summary = cluster.submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
     assert summary["average_every"] == 8 and summary["steps"] > 0
+
+
+def test_kill_recovers_engines_hung_in_a_collective(cluster, corpus, tmp_path):
+    # rank 0 alone enters a barrier: its engine blocks in MPI and answers nothing any more
+    hung = cluster.client[cluster.engine_ids[0]].execute(
+        "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()", block=False)
+    pids = [i["pid"] for i in cluster.info()]
+    with pytest.raises(TimeoutError):
+        hung.get(timeout=1)
+    started = time.monotonic()
+    cluster.restart()  # what RunHandle.kill() does
+    assert time.monotonic() - started < 60
+    assert cluster.ranks == [0, 1] and not any(alive(pid) for pid in pids)
+    assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
 
 
 def test_shutdown_leaves_no_processes(cluster):
