@@ -1,0 +1,1 @@
+"""The labavg dashboard (Panel + HoloViews): dashboard.app.create_app / serve; state in dashboard.state."""
