@@ -118,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--no-browser", action="store_true", help="do not open a browser")
     dash.set_defaults(func=cmd_dashboard)
 
+    rep = sub.add_parser(
+        "reproduce", help="run the paper's comparisons and write REPRODUCTION.md",
+        description="Train the comparisons of Su & Chen (2015) on the built-in corpus (and the "
+        "yesno recipe if given), measure 1 vs 2 MPI ranks, and write the report. Resumable.",
+    )
+    rep.add_argument("--out", default="runs/reproduce", help="experiment directory")
+    rep.add_argument("--hours", type=float, default=1.0, help="corpus size (default 1.0)")
+    rep.add_argument("--epochs", type=int, default=4, help="epochs per run (default 4)")
+    rep.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
+    rep.add_argument("--yesno", help="path of a Kaldi yesno recipe directory (kaldi-yesno)")
+    rep.add_argument("--report", default="REPRODUCTION.md", help="report to write")
+    rep.set_defaults(func=cmd_reproduce)
+
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of finished runs as a table.")
     info.add_argument("run_dirs", nargs="+", help="run directories")
@@ -198,6 +211,17 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
           address=args.address)
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from labavg.reproduction import reproduce
+
+    command = "labavg reproduce " + " ".join(sys.argv[2:])
+    path = reproduce(Path(args.out), hours=args.hours, epochs=args.epochs, seeds=args.seeds,
+                     yesno=Path(args.yesno) if args.yesno else None, report=Path(args.report),
+                     command=command.strip())
+    print(f"wrote {path}")
     return 0
 
 

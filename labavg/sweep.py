@@ -12,6 +12,9 @@ and a `[grid]` table mapping dotted setting names to lists of values:
     optimizer = ["sgd", "ngsgd"]
     seed = [0, 1]
 
+`[grid]` may also be an array of tables (`[[grid]]`), one small grid per comparison; their
+points are pooled and a configuration reached by two grids is trained once.
+
 `run_sweep` trains every combination into SWEEP_DIR/runs/NAME (skipping finished runs and
 resuming interrupted ones) and writes SWEEP_DIR/results.csv and results.md.
 """
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.checkpoint import atomic_write_text, latest_step
-from labavg.config import TrainConfig, config_from_dict, validate, with_overrides
+from labavg.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
 from labavg.errors import UserError
 from labavg.runs import SUMMARY, read_summary
 
@@ -40,19 +43,24 @@ COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule"
 
 @dataclass(frozen=True)
 class Sweep:
-    """A base configuration and the grid of settings to vary."""
+    """A base configuration and the grids of settings to vary."""
 
     base: TrainConfig
-    grid: dict[str, list[Any]]
+    grids: list[dict[str, list[Any]]]
 
     def points(self) -> list[tuple[str, dict[str, Any]]]:
-        """(name, overrides) for every combination, in a stable order."""
-        keys = list(self.grid)
-        out = []
-        for values in itertools.product(*(self.grid[k] for k in keys)):
-            overrides = dict(zip(keys, values))
-            name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
-            out.append((name, overrides))
+        """(name, overrides) for every combination of every grid, each configuration once."""
+        out, seen = [], set()
+        for grid in self.grids or [{}]:
+            keys = list(grid)
+            for values in itertools.product(*(grid[k] for k in keys)):
+                overrides = dict(zip(keys, values))
+                identity = repr(sorted(to_dict(with_overrides(self.base, overrides)).items()))
+                if identity in seen:
+                    continue
+                seen.add(identity)
+                name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
+                out.append((name, overrides))
         return out
 
 
@@ -69,11 +77,13 @@ def load_sweep(path: str | Path) -> Sweep:
     if unknown:
         raise UserError(f"{path}: unknown tables {sorted(unknown)}; a sweep has [base] and [grid]")
     base = config_from_dict(values.get("base", {}), f"{path} [base]")
-    grid = values.get("grid", {})
-    for key, options in grid.items():
-        if not isinstance(options, list) or not options:
-            raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
-    sweep = Sweep(base, grid)
+    grids = values.get("grid", {})
+    grids = grids if isinstance(grids, list) else [grids]
+    for grid in grids:
+        for key, options in grid.items():
+            if not isinstance(options, list) or not options:
+                raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
+    sweep = Sweep(base, grids)
     for name, overrides in sweep.points():
         try:
             validate(with_overrides(base, overrides))

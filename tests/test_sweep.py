@@ -69,3 +69,14 @@ def test_sweep_cli_with_mpi_points(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
     assert [(r["ranks"], r["average_every"]) for r in table] == [("2", "2"), ("2", "8")]
+
+
+def test_several_grids_share_runs(corpus, tmp_path):
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, "")
+    text = spec.read_text().replace("[grid]\n", "")
+    text += '[[grid]]\nranks = [1, 2]\n[[grid]]\nranks = [2]\noptimizer = ["sgd", "ngsgd"]\n'
+    spec.write_text(text)
+    names = [n for n, _ in load_sweep(spec).points()]
+    # ranks 2 + sgd (the base optimizer) is reached by both grids and trained once
+    assert names == ["ranks_1", "ranks_2", "ranks_2-optimizer_ngsgd"]
