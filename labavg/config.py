@@ -59,7 +59,7 @@ class TrainConfig:
     ranks: int = 1
     average_every: int = 10  # minibatches between averaging rounds (paper: 10 x 1024 frames)
     average_every_frames: int | None = None  # if set, K = round(frames / minibatch)
-    optimizer: str = "sgd"
+    optimizer: str = "ngsgd"  # the paper trains with natural-gradient SGD
     lr: float = 0.008  # per-frame learning rate of one job (nnet1's default)
     final_lr: float | None = None  # default 0.01 x initial, as in the paper
     lr_scaling: str = "linear"  # effective lr x num_jobs, as the paper and Kaldi

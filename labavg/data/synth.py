@@ -593,7 +593,7 @@ def _write_corpus(build: Path, final: Path, plans: list[_Plan], table: tuple[Pho
 
 def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
                num_speakers: int | None = None, sample_rate: int = 16000,
-               snr_db: tuple[float, float] = (0.0, 20.0), accent_sigma: float = 0.07,
+               snr_db: tuple[float, float] = (15.0, 35.0), accent_sigma: float = 0.12,
                coarticulation_ms: tuple[float, float] = (20.0, 50.0), lexicon_size: int = 400,
                overwrite: bool = False) -> CorpusInfo:
     """Write a synthetic Kaldi data directory of about `hours` of speech to `out_dir`.

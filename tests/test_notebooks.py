@@ -1,0 +1,169 @@
+"""The teaching notebooks: their structure, and each one executed top to bottom in tiny mode.
+
+Execution uses nbclient with a kernel spec written to a temporary folder whose argv is this
+interpreter (the venv's python), so the notebooks see the same labavg as the tests. Each notebook
+runs with LABAVG_NOTEBOOK_SMALL=1 in its own temporary working directory; a failing cell fails the
+test, and the runs it leaves behind are checked for real values (tiny sizes honoured, accuracies
+sane, the expected run directories present).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+ORDER = [
+    "01-data-and-kaldi-formats",
+    "02-single-worker-baseline",
+    "03-model-averaging-on-mpi-engines",
+    "04-ngsgd-vs-sgd",
+    "05-rbm-pretraining",
+    "06-averaging-frequency-minibatch-and-schedules",
+    "07-scaling-and-speedup",
+    "08-reproducing-the-paper",
+]
+# What notebook cells may import: labavg itself, plotting and display, a few standard modules.
+ALLOWED_IMPORTS = {"labavg", "dashboard", "holoviews", "pandas", "IPython", "os", "pathlib", "time",
+                   "contextlib"}
+# Run directories (relative to the notebook's labavg-work folder) each notebook must leave.
+EXPECTED_RUNS = {
+    "01-data-and-kaldi-formats": [],
+    "02-single-worker-baseline": ["runs/baseline-1rank"],
+    "03-model-averaging-on-mpi-engines": ["runs/mpi-k2-*", "runs/mpi-k16-*"],
+    "04-ngsgd-vs-sgd": [f"sweeps/04-ngsgd-vs-sgd/runs/optimizer_{o}-ranks_{r}"
+                        for o in ("sgd", "ngsgd") for r in (1, 2)],
+    "05-rbm-pretraining": [f"sweeps/05-rbm-pretraining/runs/pretrain_{p}-ranks_{r}"
+                           for p in ("none", "rbm") for r in (1, 2)],
+    "06-averaging-frequency-minibatch-and-schedules": [
+        "sweeps/06-K/runs/average_every_1", "sweeps/06-K/runs/average_every_32",
+        "sweeps/06-minibatch/runs/minibatch_32", "sweeps/06-schedule/runs/schedule_newbob"],
+    "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2"],
+    "08-reproducing-the-paper": ["sweeps/08-paper/runs/ranks_2-optimizer_ngsgd-pretrain_rbm"],
+}
+
+
+def _read(name: str):
+    return nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+
+
+def _code(cell) -> str:
+    """Cell source with IPython magics blanked out, parseable as Python."""
+    lines = cell.source.splitlines()
+    if lines and lines[0].startswith("%%"):
+        return ""  # cell magic: its body runs elsewhere (e.g. %%px on the engines)
+    return "\n".join("" if line.lstrip().startswith("%") else line for line in lines)
+
+
+def test_every_notebook_is_present_and_listed_in_the_readme():
+    found = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
+    assert found == ORDER
+    readme = (NOTEBOOKS / "README.md").read_text()
+    for name in ORDER:
+        assert f"{name}.ipynb" in readme, f"notebooks/README.md does not mention {name}"
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_notebook_structure(name):
+    nb = _read(name)
+    nbformat.validate(nb)
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
+    assert "LABAVG_NOTEBOOK_SMALL" in tagged[0].source
+    assert nb.cells.index(tagged[0]) <= 2, "the parameters cell comes first (after the introduction)"
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    assert any("## Exercises" in c.source for c in nb.cells if c.cell_type == "markdown")
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        assert not cell.get("outputs") and cell.get("execution_count") is None, "stored without outputs"
+        tree = ast.parse(_code(cell))
+        for node in ast.walk(tree):
+            # Library logic belongs in labavg, not in cells.
+            assert not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)), (
+                f"{name}: a cell defines {node.name}")
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert roots <= ALLOWED_IMPORTS, f"{name}: a cell imports {roots - ALLOWED_IMPORTS}"
+
+
+@pytest.fixture(scope="module")
+def venv_kernel(tmp_path_factory) -> tuple[str, Path]:
+    """A kernel spec running this interpreter (the venv's python) with ipykernel."""
+    pytest.importorskip("ipykernel")
+    root = tmp_path_factory.mktemp("jupyter")
+    spec = root / "kernels" / "labavg-venv"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "labavg venv", "language": "python"}))
+    return "labavg-venv", root
+
+
+def _summaries(work: Path) -> dict[Path, dict]:
+    return {p.parent: json.loads(p.read_text()) for p in work.rglob("summary.json")}
+
+
+def _stream_text(nb) -> str:
+    """Printed text of all cells (%%px output arrives as display_data text/plain)."""
+    return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                   for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                   if o.output_type in ("stream", "display_data"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ORDER)
+def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
+    kernel_name, jupyter_path = venv_kernel
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    monkeypatch.setenv("LABAVG_NOTEBOOK_SMALL", "1")
+    monkeypatch.delenv("LABAVG_NOTEBOOK_WORK", raising=False)
+    monkeypatch.delenv("LABAVG_RESULTS_DIR", raising=False)
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    nb = _read(name)
+    client = nbclient.NotebookClient(nb, timeout=240, kernel_name=kernel_name,
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "error"]
+    assert not errors
+    work = tmp_path / "labavg-work"
+    assert (work / "corpus-0.02h" / "feats.scp").is_file(), "the tiny corpus was made in the cwd"
+    for pattern in EXPECTED_RUNS[name]:
+        assert list(work.glob(pattern)), f"{name} left no run directory {pattern}"
+    for run_dir, summary in _summaries(work).items():
+        cfg = summary["config"]
+        assert (cfg["model"]["hidden_layers"], cfg["model"]["hidden_dim"], cfg["epochs"]) == (1, 32, 1), run_dir
+        assert summary["ranks"] in (1, 2), run_dir
+        # 120 pdfs: chance is under 1 %; any trained model beats the silence prior's floor of 0
+        assert 0.0 < summary["cv_frame_accuracy"] <= 1.0 and math.isfinite(summary["cv_loss"]), run_dir
+    text = _stream_text(nb)
+    if name == "01-data-and-kaldi-formats":
+        assert "block j of spliced frame t is frame t - c + j: True" in text
+        assert "edges repeat frame 0: True" in text
+        assert "(487, 40) -> (487, 200)" in text  # +-2 frames of context in small mode
+        if (REPO.parent / "shared" / "data" / "kaldi-yesno").is_dir():
+            assert "30 transition ids -> 11 pdfs" in text
+            assert "train_yesno: 31 utterances, 13-dim MFCC, 11 pdfs" in text
+    if name == "03-model-averaging-on-mpi-engines":
+        for rank in (0, 1):
+            assert f"rank {rank}/2 on cpu:" in text, "the %%px cell ran on every engine"
+        assert "epoch 0: CV frame accuracy" in text
+    if name == "07-scaling-and-speedup":
+        two = _summaries(work)[work / "sweeps/07-scaling/runs/ranks_2"]
+        assert two["speedup"] is not None and two["speedup"] > 0, "speedup against the 1-rank run"
