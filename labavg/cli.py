@@ -181,6 +181,8 @@ def train_config(args: argparse.Namespace):
     overrides.update(_parse_set(args.set))
     if args.resume:
         overrides["out"] = args.resume
+        # A fault is injected once: the resumed run is the recovery from it.
+        overrides.setdefault("inject_fault", None)
     return validate(with_overrides(cfg, overrides))
 
 
