@@ -277,8 +277,10 @@ def test_pretrain_dbn_rejects_non_sigmoid_models():
 
 
 def _rank_fn(comm, shards, cfg, average_every):
-    torch.manual_seed(0)  # the DNN's own init; the RBMs' come from cfg.seed and rank 0
-    model = DNN(143, 11, ModelConfig(hidden_layers=2, hidden_dim=32))
+    # The DNN's own init from its own generator (threads share the global RNG); the RBMs' come
+    # from cfg.seed and rank 0.
+    model = DNN(143, 11, ModelConfig(hidden_layers=2, hidden_dim=32),
+                generator=torch.Generator().manual_seed(0))
     batches = _epoch_batches(shards[comm.rank])
     events, rbms = _run(
         pretrain_dbn(model, batches, comm, cfg, average_every=average_every, device="cpu")

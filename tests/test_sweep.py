@@ -75,6 +75,7 @@ def test_several_grids_share_runs(corpus, tmp_path):
     spec = tmp_path / "s.toml"
     write_sweep(spec, corpus, "")
     text = spec.read_text().replace("[grid]\n", "")
+    text = text.replace("[base]\n", '[base]\noptimizer = "sgd"\n', 1)
     text += '[[grid]]\nranks = [1, 2]\n[[grid]]\nranks = [2]\noptimizer = ["sgd", "ngsgd"]\n'
     spec.write_text(text)
     names = [n for n, _ in load_sweep(spec).points()]
