@@ -32,16 +32,12 @@ import param
 from labavg.config import DataConfig, TrainConfig, to_dict, validate, with_overrides
 from labavg.errors import UserError
 from labavg.model import ModelConfig
-from labavg.runs import CONFIG, EVENTS, SUMMARY
+from labavg.runs import CONFIG, EVENTS, SUMMARY, comparable_config
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 POINTS_PER_CURVE = 5000
 # Pending rows wait this long (in rows) for a late rank before they are emitted with a gap.
 _MAX_PENDING = 64
-# Settings that may differ between runs of "the same configuration" (mirrors labavg.runs,
-# which keeps its own list private): a 1-rank run of the rest is the speedup baseline.
-_PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                  "tensorboard")
 
 
 class RunSettings(param.Parameterized):
@@ -471,7 +467,7 @@ TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "s
 
 
 def _comparable(config: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in config.items() if k not in _PARALLEL_KEYS}, sort_keys=True)
+    return json.dumps(comparable_config(config), sort_keys=True)
 
 
 def _table_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -> dict[str, Any]:

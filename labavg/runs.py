@@ -30,7 +30,7 @@ SUMMARY = "summary.json"
 CONFIG = "config.json"
 
 # Settings that may differ between runs that are still "the same configuration" for speedup.
-_PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
+PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
                   "tensorboard")
 
 
@@ -103,8 +103,9 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
 
 
-def _comparable(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cfg.items() if k not in _PARALLEL_KEYS}
+def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without the parallel settings: equal for runs whose speedups compare."""
+    return {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS}
 
 
 def find_baseline(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
@@ -114,7 +115,7 @@ def find_baseline(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     backend, device, output directory, logging) is equal, the learning rate included: with
     `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
     """
-    want = _comparable(to_dict(cfg))
+    want = comparable_config(to_dict(cfg))
     parent = Path(run_dir).resolve().parent
     candidates = []
     for sibling in sorted(parent.iterdir()) if parent.is_dir() else []:
@@ -124,7 +125,7 @@ def find_baseline(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
             summary = json.loads((sibling / SUMMARY).read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if summary.get("ranks") == 1 and _comparable(summary.get("config", {})) == want:
+        if summary.get("ranks") == 1 and comparable_config(summary.get("config", {})) == want:
             candidates.append(summary)
     return candidates[-1] if candidates else None
 
