@@ -194,11 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
         # Start mpiexec ourselves; the ranks see the launcher and train.
         command = mpiexec_command(cfg.ranks, ["-m", "labavg", *sys.argv[1:]], hosts=args.hosts)
-        code = subprocess.call(command)
-        if code != 0:
-            print(f"labavg: error: the MPI job failed (exit status {code}); "
-                  f"{_last_steps(Path(cfg.out))}", file=sys.stderr)
-        return code
+        return _run_mpiexec(command, Path(cfg.out))
     if cfg.backend == "torch" and detect_launcher() != "torch":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
     summary = run_training(cfg, resume=bool(args.resume), progress=not args.no_progress)
@@ -268,6 +264,34 @@ def _set_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
         elif value is not None:
             flags += ["--set", f"{dotted}={json.dumps(value)}"]
     return flags
+
+
+def _run_mpiexec(command: list[str], run_dir: Path) -> int:
+    """Run mpiexec, passing its output through; on failure say which rank was lost and where."""
+    import re
+
+    # Hydra reports a lost process ("PID n RUNNING AT host") on its standard output.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    lost_pids = set()
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
+    code = proc.wait()
+    if code != 0:
+        print(f"labavg: error: the MPI job failed (exit status {code}); "
+              f"{_lost_ranks(run_dir, lost_pids)}{_last_steps(run_dir)}", file=sys.stderr)
+    return code
+
+
+def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
+    """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
+    from labavg.runs import EVENTS, read_events
+
+    if not pids or not (run_dir / EVENTS).is_file():
+        return ""
+    ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
+    return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
 
 
 def _last_steps(run_dir: Path) -> str:

@@ -30,6 +30,8 @@ class RunStarted(Event):
 
     type: ClassVar[str] = "run_started"
     size: int
+    pid: int  # of the process running this rank (to name a lost rank from a launcher's report)
+    host: str
     device: str
     num_params: int
     num_pdfs: int

@@ -10,6 +10,8 @@ shard the data, broadcast rank 0's model, run SGD locally, average every K minib
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -211,7 +213,7 @@ def train_rank(
         return _save(run_dir, comm, progress, flat, optimizer, cfg)
 
     yield RunStarted(
-        rank=rank, size=size, device=str(device), num_params=count_parameters(model),
+        rank=rank, size=size, pid=os.getpid(), host=socket.gethostname(), device=str(device), num_params=count_parameters(model),
         num_pdfs=source.num_pdfs, input_dim=_input_dim(model),
         steps_per_epoch=num_steps, train_utterances=len(train_keys), cv_utterances=len(cv_keys),
         average_every=K, effective_lr=lr0, start_step=progress.step,
