@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="address to listen on (default 127.0.0.1; see docs/dashboard.md before "
                       "exposing it)")
     dash.add_argument("--runs-dir", default="runs", help="where runs are written and found")
+    dash.add_argument("--data", default="data/synth",
+                      help="data directory preset for new runs (default data/synth)")
     dash.add_argument("--no-browser", action="store_true", help="do not open a browser")
     dash.set_defaults(func=cmd_dashboard)
 
@@ -207,8 +209,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from dashboard.app import serve
 
+    print(f"labavg dashboard: http://{args.address}:{args.port}/app (Ctrl-C stops it)")
     serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
-          address=args.address)
+          address=args.address, data=args.data)
     return 0
 
 

@@ -257,3 +257,31 @@ def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     assert len(data) == 10 and data["step"].tolist() == list(range(steps - 9, steps + 1))
     assert plots.fps.data["frames_per_s"].gt(0).all() and len(plots.times.data) == len(plots.fps.data)
     assert plots.cv_pipe.data["cv_acc_pct"].tolist() == pytest.approx([100 * three.buffers.cv[0][1]])
+
+
+def test_labavg_dashboard_command_serves_the_app(tmp_path):
+    """`labavg dashboard --no-browser` serves /app on localhost."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "labavg", "dashboard", "--no-browser", "--port",
+                             str(port), "--runs-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, page = time.monotonic() + 90, None
+        while time.monotonic() < deadline and page is None:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/app", timeout=10).read()
+            except OSError:
+                time.sleep(0.5)
+        assert page is not None, "the dashboard did not answer"
+        assert b"bokeh" in page.lower() and b"labavg" in page.lower()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
