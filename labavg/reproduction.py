@@ -12,6 +12,7 @@ accuracy (higher is better), so a comparison "agrees" when the ordering is the s
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,7 @@ PAPER_K = {10: (15.1, 9.32), 20: (15.8, 10.07)}  # 16 workers: WER, speedup
 PAPER_OPTIMIZER = {("sgd", 1): 14.9, ("ngsgd", 1): 14.7, ("sgd", 16): 16.3, ("ngsgd", 16): 15.1}
 PAPER_PRETRAIN = {"rbm": 15.2, "none": 16.4}  # 32 workers
 PAPER_SCHEDULE = {"exponential": 15.1, "newbob": 15.4}  # 16 workers
+DISCUSSION_MARKER = "<!-- discussion below: kept when the report is regenerated -->"
 
 
 @dataclass(frozen=True)
@@ -232,11 +234,20 @@ def reproduce(out: Path, *, hours: float = 1.0, epochs: int = 4, seeds: int = 1,
     sweep = paper_sweep(corpus, epochs=epochs, seeds=seeds)
     run_sweep(sweep, out / "paper")
     if yesno is not None:
-        run_sweep(yesno_sweep(yesno, seeds=seeds), out / "yesno")
+        # Kaldi resolves scp paths against the working directory: run from the recipe.
+        yesno_out = (out / "yesno").resolve()
+        here = Path.cwd()
+        os.chdir(yesno)
+        try:
+            run_sweep(yesno_sweep(Path("."), seeds=seeds), yesno_out)
+        finally:
+            os.chdir(here)
     measure_mpi(corpus, out / "mpi", epochs=1)
     text = render_report(out, sweep, yesno is not None, hours=hours, epochs=epochs,
                          seeds=seeds, command=command)
-    atomic_write_text(report, text)
+    # A discussion written by people below the marker survives regeneration.
+    kept = report.read_text().partition(DISCUSSION_MARKER)[2] if report.is_file() else ""
+    atomic_write_text(report, f"{text}\n{DISCUSSION_MARKER}{kept or chr(10)}")
     return report
 
 
