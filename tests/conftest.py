@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 
 
 @pytest.fixture(scope="session")
