@@ -253,9 +253,9 @@ def _train_point(cfg, resume: bool) -> None:
     argv = ["-m", "labavg", "train", "--no-progress", *_set_flags(to_dict(cfg))]
     if resume:
         argv += ["--resume", str(out)]
-    code = subprocess.call(mpiexec_command(cfg.ranks, argv))
+    code = _run_mpiexec(mpiexec_command(cfg.ranks, argv), out)
     if code != 0:
-        raise UserError(f"sweep point {out} failed (exit status {code}); {_last_steps(out)}")
+        raise UserError(f"sweep point {out} failed (exit status {code})")
 
 
 def _set_flags(values: dict[str, Any], prefix: str = "") -> list[str]:

@@ -16,3 +16,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real Kaldi data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A tiny built-in corpus (about 70 s of speech, 120 pdfs), made once per test session."""
+    from labavg.data.synth import synthesize
+
+    out = tmp_path_factory.mktemp("corpus") / "synth"
+    synthesize(out, hours=0.02, seed=3)
+    return out

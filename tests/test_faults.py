@@ -24,7 +24,7 @@ from labavg.faults import parse_fault
 from labavg.runs import read_events, read_summary, run_training
 from labavg.train import train
 
-from test_train import SMALL, _cli, corpus, final_params, small_config  # noqa: F401 (fixture)
+from test_train import SMALL, _cli, final_params, small_config
 
 PYTHON = sys.executable
 

@@ -15,7 +15,7 @@ from labavg.reproduction import (
 )
 from labavg.sweep import Sweep, run_sweep
 
-from test_train import corpus, small_config  # noqa: F401 (fixture)
+from test_train import small_config
 
 
 def test_paper_sweep_has_each_comparison_once(tmp_path):

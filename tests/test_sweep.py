@@ -9,7 +9,7 @@ import pytest
 from labavg.errors import UserError
 from labavg.sweep import load_sweep, run_sweep
 
-from test_train import _cli, corpus  # noqa: F401 (fixture)
+from test_train import _cli
 
 
 def write_sweep(path, corpus, grid: str) -> None:

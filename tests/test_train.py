@@ -26,16 +26,6 @@ from labavg.train import train
 PYTHON = sys.executable
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """A tiny built-in corpus (about 70 s of speech, 120 pdfs)."""
-    from labavg.data.synth import synthesize
-
-    out = tmp_path_factory.mktemp("corpus") / "synth"
-    synthesize(out, hours=0.02, seed=3)
-    return out
-
-
 def small_config(corpus: Path, out: Path, **changes) -> TrainConfig:
     cfg = TrainConfig(
         out=str(out), ranks=2, average_every=3, minibatch=64, epochs=2, lr=0.004,
