@@ -30,7 +30,7 @@ import numpy as np
 import param
 
 from labavg.config import DataConfig, TrainConfig, to_dict, validate, with_overrides
-from labavg.errors import UserError
+from labavg.errors import UserError, one_line, user_error_of
 from labavg.model import ModelConfig
 from labavg.runs import CONFIG, EVENTS, SUMMARY, comparable_config
 
@@ -451,12 +451,7 @@ def _finish_text(finished: dict[str, Any]) -> str:
 
 def _root_message(exc: BaseException) -> str:
     """The message of the error behind `exc` (a simulated worker's UserError, say)."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, UserError):
-            return str(seen)
-        seen = getattr(seen, "exc", None) or seen.__cause__
-    return str(exc)
+    return one_line(user_error_of(exc) or exc)
 
 
 # -- the past runs -------------------------------------------------------------------------

@@ -97,3 +97,29 @@ def load_rank_state(run_dir: Path, step: int, rank: int, map_location: Any = "cp
         raise UserError(f"checkpoint file {path} is missing") from None
     except Exception as exc:  # a corrupt or foreign file: torch raises several types
         raise UserError(f"cannot read checkpoint {path}: {exc}") from None
+
+
+def remove_orphans(run_dir: Path) -> list[Path]:
+    """Remove what killed writes left behind: temporary files and checkpoints never committed.
+
+    Call only while holding the run directory's lock (no live job is writing). Returns what
+    was removed.
+    """
+    root = checkpoint_dir(run_dir)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    found = latest_step(run_dir)
+    keep = f"{found[0]:09d}" if found is not None else None
+    for path in sorted(root.rglob(".*.tmp")):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and path.name.isdigit() and path.name != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    heartbeat = Path(run_dir) / "heartbeat"
+    if heartbeat.is_dir():
+        shutil.rmtree(heartbeat, ignore_errors=True)
+        removed.append(heartbeat)
+    return removed

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labavg.errors import UserError
+from labavg.errors import UserError, one_line, user_error_of
 
 # CLI flag -> dotted TrainConfig key. Only flags the user gave override the config file.
 TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -71,6 +71,9 @@ def _add_train_parser(sub) -> None:
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
     p.add_argument("--hosts", help="MPI host list (h1,h2 or h1:4,h2:4) when starting mpiexec")
+    p.add_argument("--allow-pipes", action="store_true",
+                   help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
+                   "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -193,13 +196,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from labavg.runs import format_table, run_training
 
     cfg = train_config(args)
+    resume = bool(args.resume)
     if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
         # Start mpiexec ourselves; the ranks see the launcher and train.
-        command = mpiexec_command(cfg.ranks, ["-m", "labavg", *sys.argv[1:]], hosts=args.hosts)
-        return _run_mpiexec(command, Path(cfg.out))
+        argv = ["-m", "labavg", *sys.argv[1:]]
+        return launch_mpi(cfg, mpiexec_command(cfg.ranks, argv, hosts=args.hosts),
+                          resume=resume, allow_pipes=args.allow_pipes)
     if cfg.backend == "torch" and detect_launcher() != "torch":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
-    summary = run_training(cfg, resume=bool(args.resume), progress=not args.no_progress)
+    summary = run_training(cfg, resume=resume, progress=not args.no_progress,
+                           allow_pipes=args.allow_pipes)
     if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
@@ -253,7 +259,7 @@ def _train_point(cfg, resume: bool) -> None:
     argv = ["-m", "labavg", "train", "--no-progress", *_set_flags(to_dict(cfg))]
     if resume:
         argv += ["--resume", str(out)]
-    code = _run_mpiexec(mpiexec_command(cfg.ranks, argv), out)
+    code = launch_mpi(cfg, mpiexec_command(cfg.ranks, argv), resume=resume)
     if code != 0:
         raise UserError(f"sweep point {out} failed (exit status {code})")
 
@@ -269,19 +275,69 @@ def _set_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
     return flags
 
 
-def _run_mpiexec(command: list[str], run_dir: Path) -> int:
-    """Run mpiexec, passing its output through; on failure say which rank was lost and where."""
-    import re
+def launch_mpi(cfg, command: list[str], *, resume: bool = False, allow_pipes: bool = False) -> int:
+    """Check what can be checked once, then run the job under mpiexec; its exit status.
 
-    # Hydra reports a lost process ("PID n RUNNING AT host") on its standard output.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    lost_pids = set()
+    This process holds the run directory's lock for the job and owns it: mpiexec is told to
+    end (SIGTERM, on which hydra ends every rank) when this process dies, however it dies.
+    """
+    from labavg.runs import LOCK_HELD_ENV, preflight, run_dir_lock
+
+    run_dir = Path(cfg.out)
+    with run_dir_lock(run_dir):
+        preflight(cfg, resume=resume, allow_pipes=allow_pipes)
+        env = {**os.environ, LOCK_HELD_ENV: str(run_dir.resolve())}
+        return _run_mpiexec(command, run_dir, env)
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+# What hydra and MPICH print about a failed job, which labavg's own message replaces.
+_HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
+                "application called MPI_Abort")
+
+
+def _run_mpiexec(command: list[str], run_dir: Path, env: dict[str, str] | None = None) -> int:
+    """Run mpiexec, passing its output through; on failure say once which rank failed and where."""
+    import re
+    import threading
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, preexec_fn=_end_with_parent if sys.platform == "linux" else None)
+    lost_pids: set[int] = set()
+    errors: list[str] = []
+
+    def relay_stderr() -> None:
+        for line in proc.stderr:
+            if line.startswith("labavg: error:"):
+                # Every rank that met the same error says so: print it once.
+                message = re.sub(r"^labavg: error: rank \d+: ", "labavg: error: ", line)
+                if message in errors:
+                    continue
+                errors.append(message)
+            elif any(mark in line for mark in _HYDRA_NOISE):
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    relay = threading.Thread(target=relay_stderr, daemon=True)
+    relay.start()
     for line in proc.stdout:
+        # Hydra reports a lost process ("PID n RUNNING AT host") in a banner on stdout.
+        lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
+        if any(line.startswith(mark) for mark in _HYDRA_NOISE):
+            continue
         sys.stdout.write(line)
         sys.stdout.flush()
-        lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
     code = proc.wait()
-    if code != 0:
+    relay.join()
+    if code != 0 and not errors:
         print(f"labavg: error: the MPI job failed (exit status {code}); "
               f"{_lost_ranks(run_dir, lost_pids)}{_last_steps(run_dir)}", file=sys.stderr)
     return code
@@ -321,15 +377,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_error(exc: BaseException) -> UserError | None:
-    """The UserError behind `exc`, also when a simulated worker raised it."""
-    while exc is not None:
-        if isinstance(exc, UserError):
-            return exc
-        exc = getattr(exc, "exc", None) or exc.__cause__
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
@@ -340,10 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         print("labavg: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        user = _user_error(exc)
+        user = user_error_of(exc)
         if user is None:
             raise
-        print(f"labavg: error: {user}", file=sys.stderr)
+        if not getattr(user, "quiet", False):  # a PeerFailed: another rank printed the message
+            print(f"labavg: error: {one_line(user)}", file=sys.stderr)
         return 2
 
 

@@ -76,6 +76,7 @@ class TrainConfig:
     log_every: int = 1  # minibatches between per-minibatch events
     tensorboard: bool = True
     inject_fault: str | None = None  # e.g. "nan@rank1:step20" (labavg.faults)
+    watchdog_seconds: float = 120.0  # a rank silent this long ends the job (0: off); labavg.watchdog
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ngsgd: NGConfig = field(default_factory=NGConfig)

@@ -5,6 +5,8 @@ RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.eve
 RUN_DIR/summary.json     results, written by rank 0 at the end
 RUN_DIR/tensorboard/     TensorBoard event files, one folder per rank
 RUN_DIR/checkpoints/     see labavg.checkpoint
+RUN_DIR/.lock            held (flock) by the job writing the directory; names its holder
+RUN_DIR/heartbeat/       each rank's watchdog heartbeat while it runs (labavg.watchdog)
 
 `run_training` is the consumer the CLI and notebooks call: it iterates the trainer and writes
 these files. Every rank appends to events.jsonl with one O_APPEND write per line, which
@@ -13,38 +15,168 @@ keeps lines whole on a local file system.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import shutil
+import socket
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from labavg.checkpoint import atomic_write_text, latest_step
+from labavg.checkpoint import atomic_write_text, latest_step, remove_orphans
 from labavg.config import TrainConfig, config_from_dict, to_dict
-from labavg.errors import UserError
+from labavg.errors import UserError, one_line
+from labavg.watchdog import HEARTBEAT_DIR
 from labavg.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.json"
+LOCK = ".lock"
+# Set by a launcher that holds the run directory's lock for its ranks (to the resolved path).
+LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
 
 # Settings that may differ between runs that are still "the same configuration" for speedup.
 PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                  "tensorboard")
+                  "tensorboard", "watchdog_seconds")
+# Settings a resume may change: none of them changes what is computed (inproc and mpi are
+# bitwise the same; a fault is injected once). `ranks` is not among them: it changes the
+# sharding and, through lr_scaling, the learning rate.
+RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "log_every",
+                    "tensorboard", "watchdog_seconds", "inject_fault")
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse to mix a new run into an existing run directory (unless resuming it)."""
+def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -> None:
+    """Refuse to mix a new run into an existing run directory, and resumes that change results.
+
+    A resume continues an unfinished run (killed, or stopped on request) with the settings it
+    was started with; a finished run is left as it is (its summary feeds speedups).
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file, not a directory")
     if resume:
-        if latest_step(run_dir) is None:
+        found = latest_step(run_dir)
+        if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
+        summary = _read_json_or_none(run_dir / SUMMARY)
+        if summary is not None and not summary.get("stopped"):
+            raise UserError(
+                f"--resume: {run_dir} has finished (step {summary.get('steps')}, {SUMMARY}); "
+                f"nothing to resume: start a new run with another --out to train more")
+        if cfg is not None:
+            check_resume_config(run_dir, cfg, found[1])
         return
     if (run_dir / EVENTS).exists() or (run_dir / SUMMARY).exists():
         raise UserError(
             f"run directory {run_dir} already holds a run; pass --resume to continue it or choose "
             f"another --out"
         )
+
+
+def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) -> None:
+    """UserError naming every setting that differs from the run's own and would change results.
+
+    The run's own settings are those its last checkpoint was trained with.
+    """
+    from labavg.checkpoint import load_rank_state
+
+    step, _ = latest_step(run_dir)
+    saved = load_rank_state(run_dir, step, 0).get("config")
+    stored = to_dict(config_from_dict(saved, f"checkpoint {step}") if isinstance(saved, dict)
+                     else load_config_of(run_dir))
+    wanted = to_dict(cfg)
+    changed = [key for key in _leaves(wanted)
+               if key.split(".")[0] not in RESUME_FREE_KEYS and _get(stored, key) != _get(wanted, key)]
+    if changed:
+        shown = ", ".join(f"{k} = {_get(stored, k)!r} -> {_get(wanted, k)!r}" for k in changed[:4])
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise UserError(
+            f"--resume: {run_dir} was trained with other settings: {shown}{more}; a resume keeps "
+            f"them (only {', '.join(k for k in RESUME_FREE_KEYS if k != 'out')} may change)")
+    if checkpoint_ranks != cfg.ranks:
+        raise UserError(f"--resume: the checkpoint of {run_dir} holds {checkpoint_ranks} ranks but "
+                        f"the run has ranks = {cfg.ranks}")
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        out += _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return out
+
+
+def _get(values: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
+def _read_json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _launcher_rank() -> int:
+    """This process's rank as its launcher set it (0 outside a launcher)."""
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR/.lock for the life of the job, so that a second job cannot write there.
+
+    Taken by the process that owns the job: the launcher that starts mpiexec (its ranks then
+    find LOCK_HELD_ENV), the in-process trainer, or rank 0 of a job started by mpiexec, srun
+    or torchrun. The lock is an flock, so it goes with its holder however that ends. A
+    directory this call created and left holding only the lock is removed again.
+    """
+    run_dir = Path(run_dir)
+    resolved = str(run_dir.resolve())
+    if os.environ.get(LOCK_HELD_ENV) == resolved or _launcher_rank() != 0:
+        yield
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file, not a directory")
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot write run directory {run_dir}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            raise UserError(f"run directory {run_dir} is in use by another job ({_describe(holder)}); "
+                            f"wait for it to end or stop it first") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+        if created and {p.name for p in run_dir.iterdir()} <= {LOCK, HEARTBEAT_DIR}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        return f"pid {info['pid']} on {info['host']} since {info['since']}: {info['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
 
 
 class EventLog:
@@ -171,6 +303,32 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
     return summary
 
 
+def open_source(cfg: TrainConfig, allow_pipes: bool = False):
+    """The run's training data, opened and checked (DataError names what is wrong)."""
+    from labavg.data.dataset import open_dataset
+
+    return open_dataset(
+        cfg.data.data, ali=cfg.data.ali, ali_dir=cfg.data.ali_dir, textgrid=cfg.data.textgrid,
+        apply_cmvn=cfg.data.apply_cmvn, norm_vars=cfg.data.norm_vars,
+        skip_mismatched=cfg.data.skip_mismatched, **({"allow_pipes": True} if allow_pipes else {}),
+    )
+
+
+def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False):
+    """Everything that can be checked before any rank starts; returns the opened data.
+
+    The launcher of a multi-process job calls it once, so that a bad setting or data set is
+    reported once, before N ranks meet it; run_training calls it on every rank anyway.
+    """
+    from labavg.train import check_fits
+
+    run_dir = Path(cfg.out)
+    check_run_dir(run_dir, resume, cfg)
+    source = open_source(cfg, allow_pipes)
+    check_fits(cfg, source)  # with cfg.ranks; the ranks check again with the size they find
+    return source
+
+
 def run_training(
     cfg: TrainConfig,
     *,
@@ -178,28 +336,36 @@ def run_training(
     on_event: Callable[[Event], None] | None = None,
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
+    allow_pipes: bool = False,
 ) -> dict[str, Any] | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
 
     Under mpiexec/torchrun every process calls this; only rank 0 returns the summary (others
-    return None). `on_event` sees every event this process sees.
+    return None). `on_event` sees every event this process sees. `allow_pipes` lets data files
+    and rspecifiers run commands (Kaldi's `cmd |`); only the command line's --allow-pipes sets it.
     """
-    from labavg.data.dataset import open_dataset
     from labavg.train import train
 
     run_dir = Path(cfg.out)
-    check_run_dir(run_dir, resume)
-    source = open_dataset(
-        cfg.data.data, ali=cfg.data.ali, ali_dir=cfg.data.ali_dir, textgrid=cfg.data.textgrid,
-        apply_cmvn=cfg.data.apply_cmvn, norm_vars=cfg.data.norm_vars,
-        skip_mismatched=cfg.data.skip_mismatched,
-    )
+    with run_dir_lock(run_dir):
+        if resume and _launcher_rank() == 0:
+            remove_orphans(run_dir)
+        def open_data():  # opened on every rank (labavg.train.train agrees on the outcome)
+            return preflight(cfg, resume, allow_pipes)
+
+        return _consume(cfg, train(cfg, open_data, run_dir, resume, should_stop=should_stop),
+                        run_dir, resume, on_event, progress)
+
+
+def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: bool,
+             on_event: Callable[[Event], None] | None, progress: bool) -> dict[str, Any] | None:
+    """Write the run directory from the trainer's events; rank 0's summary."""
     logs: dict[int, EventLog] = {}
     started: dict[int, RunStarted] = {}
     summary = None
     bar = None
     try:
-        for event in train(cfg, source, run_dir, resume, should_stop=should_stop):
+        for event in events:
             if event.rank not in logs:
                 if event.rank == 0 and not resume:
                     atomic_write_text(run_dir / CONFIG, json.dumps(to_dict(cfg), indent=2) + "\n")
@@ -216,6 +382,7 @@ def run_training(
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
+                summary["resumed"] = resume
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:
@@ -257,6 +424,14 @@ def load_config_of(run_dir: Path) -> TrainConfig:
     """The TrainConfig a run directory was started with."""
     path = Path(run_dir) / CONFIG
     try:
-        return config_from_dict(json.loads(path.read_text()), str(path))
+        values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{run_dir} is not a labavg run directory: {path} is missing") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{path}: not a valid labavg configuration ({one_line(exc)}); "
+                        f"the run cannot be resumed") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: not a valid labavg configuration (expected a JSON object)")
+    return config_from_dict(values, str(path))

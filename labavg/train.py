@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,7 @@ from labavg.averaging import average_parameters, broadcast_parameters, flatten_p
 from labavg.comm.base import Communicator
 from labavg.config import TrainConfig, to_dict
 from labavg.data.base import UtteranceSource
-from labavg.errors import UserError
+from labavg.errors import PeerFailed, UserError, one_line, user_error_of
 from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
 from labavg.faults import apply_fault, parse_fault
 from labavg.events import (
@@ -122,6 +123,15 @@ def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
     )
 
 
+def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = None) -> None:
+    """UserError if the data cannot feed this configuration on `size` ranks (default cfg.ranks).
+
+    Called before any rank allocates a model, so that what every rank would meet is reported once.
+    """
+    train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
+    steps_per_epoch(train_keys, source.num_frames, size or cfg.ranks, cfg.minibatch)
+
+
 @dataclass
 class Progress:
     """What changes on a rank as training goes on, besides the model and optimizer.
@@ -134,6 +144,7 @@ class Progress:
     rounds: int = 0  # averaging rounds done
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
+    wall_seconds: float = 0.0  # training wall time up to the last checkpoint (resumes add to it)
     epoch_sums: torch.Tensor = field(  # this epoch's [summed loss, correct, frames]
         default_factory=lambda: torch.zeros(3, dtype=torch.float64)
     )
@@ -196,12 +207,18 @@ def train_rank(
     lr_final = scale_lr(cfg.final_learning_rate(), size, cfg.lr_scaling)
 
     progress = Progress()
+    resumed_accepted = None  # Newbob's accepted model of a checkpoint taken mid-epoch
     found = checkpoint.latest_step(run_dir) if (resume and run_dir is not None) else None
     if found is not None:
         state = checkpoint.load_rank_state(run_dir, found[0], rank)
+        if state["params"].numel() != flat.numel():
+            raise UserError(
+                f"checkpoint {checkpoint.checkpoint_dir(run_dir) / f'{found[0]:09d}'} holds "
+                f"{state['params'].numel()} parameters but the configured model has {flat.numel()}")
         flat.copy_(state["params"].to(device))
         optimizer.load_state_dict(state["optimizer"])
         progress = Progress.from_state_dict(state["progress"])
+        resumed_accepted = state.get("accepted_params")
     elif cfg.pretrain == "rbm":
         yield from _pretrain(model, cfg, source, train_keys, comm, device)
         broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
@@ -209,8 +226,11 @@ def train_rank(
         cv_loss0, cv_acc0 = _global_cv(model, source, cv_keys, cfg, comm, device)
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
 
+    wall_before = progress.wall_seconds
+
     def save() -> CheckpointSaved:
-        return _save(run_dir, comm, progress, flat, optimizer, cfg)
+        progress.wall_seconds = wall_before + time.perf_counter() - wall_start
+        return _save(run_dir, comm, progress, flat, optimizer, cfg, accepted_params)
 
     yield RunStarted(
         rank=rank, size=size, pid=os.getpid(), host=socket.gethostname(), device=str(device), num_params=count_parameters(model),
@@ -224,10 +244,18 @@ def train_rank(
     round_compute, round_frames = 0.0, 0
     last_average = flat.clone()  # restored if every rank ever diverges at once
     stopped = False
+    accepted_params = None
     while progress.step < total_steps and not stopped:
         epoch, start = divmod(progress.step, num_steps)
         epoch_start_time = time.perf_counter()
-        accepted_params = flat.clone() if progress.newbob is not None else None
+        if progress.newbob is not None:
+            # Newbob rolls a rejected epoch back to the model it started from, which a resume
+            # in mid-epoch finds in the checkpoint, not in the parameters it restarts from.
+            if start > 0 and resumed_accepted is not None:
+                accepted_params = resumed_accepted.to(device)
+            else:
+                accepted_params = flat.clone()
+            resumed_accepted = None
         for x, y in batches.epoch(epoch, start_step=start):
             lr = _learning_rate(progress.newbob, lr0, lr_final, progress.step, total_steps)
             t0 = time.perf_counter()
@@ -308,7 +336,7 @@ def train_rank(
     if cv_step != progress.step:  # stopped mid-epoch or resumed at the end: CV of the final model
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
     yield RunFinished(
-        rank=rank, step=progress.step, wall_seconds=time.perf_counter() - wall_start,
+        rank=rank, step=progress.step, wall_seconds=wall_before + time.perf_counter() - wall_start,
         compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
         averaging_rounds=progress.rounds, frames_trained=progress.step * cfg.minibatch * size,
         cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped,
@@ -330,7 +358,8 @@ def _learning_rate(newbob, lr0, lr_final, step, total_steps) -> float:
     return exponential_lr(lr0, lr_final, step / max(total_steps - 1, 1))
 
 
-def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg) -> CheckpointSaved:
+def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg,
+          accepted_params=None) -> CheckpointSaved:
     """Every rank saves its file; rank 0 publishes the checkpoint once all are on disk."""
     state = {
         "params": flat.detach().cpu().clone(),
@@ -338,6 +367,8 @@ def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg) -> Checkpoint
         "progress": progress.state_dict(),
         "config": to_dict(cfg),
     }
+    if accepted_params is not None:
+        state["accepted_params"] = accepted_params.detach().cpu().clone()
     checkpoint.save_rank_state(run_dir, progress.step, comm.rank, state)
     comm.barrier()
     if comm.rank == 0:
@@ -349,7 +380,7 @@ def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg) -> Checkpoint
 
 def train(
     cfg: TrainConfig,
-    source: UtteranceSource,
+    source: UtteranceSource | Callable[[], UtteranceSource],
     run_dir: Path | None = None,
     resume: bool = False,
     should_stop: Callable[[], bool] | None = None,
@@ -359,29 +390,89 @@ def train(
     `inproc` runs `cfg.ranks` simulated workers as threads of this process and yields every
     rank's events. `mpi` and `torch` run the rank of this process (started by mpiexec, srun or
     torchrun) and yield its own events.
+
+    `source` may be a function that opens the data: the process backends then open it on every
+    rank and agree on the outcome before training, so a data error that some ranks meet ends
+    every rank, printed once (by the lowest failing rank). Any error on a rank after that ends
+    the whole job at once (abort), and a watchdog ends it when a rank falls silent.
     """
     torch.set_num_threads(cfg.threads)
     if cfg.backend == "inproc":
         from labavg.comm.inproc import iterate_inproc
         from labavg.comm.world import select_device
 
+        source = source() if callable(source) else source
         device = select_device(cfg.device, 0)
         yield from iterate_inproc(
             cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop
         )
         return
     from labavg.comm.world import open_communicator, select_device
+    from labavg.watchdog import Watchdog, WatchedCommunicator
 
     comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)
-    device = select_device(cfg.device, comm.local_rank)
+    watchdog = None
+    step = 0
+    started = False  # errors before this were met on every rank (agreed): no abort needed
     try:
-        yield from train_rank(comm, cfg, source, run_dir, resume, device, should_stop)
-    except (UserError, GeneratorExit):
-        # Data and configuration errors arise identically on every rank: each exits cleanly.
+        rank_comm = comm
+        if comm.size > 1 and cfg.watchdog_seconds > 0:
+            watchdog = Watchdog(comm, cfg.watchdog_seconds, run_dir).start()
+            rank_comm = WatchedCommunicator(comm, watchdog)
+
+        def start() -> tuple[UtteranceSource, torch.device]:
+            opened = source() if callable(source) else source
+            check_fits(cfg, opened, comm.size)
+            return opened, select_device(cfg.device, comm.local_rank)
+
+        source, device = _agree(rank_comm, start)
+        started = True
+        for event in train_rank(rank_comm, cfg, source, run_dir, resume, device, should_stop):
+            step = getattr(event, "step", step)
+            if watchdog is not None:
+                watchdog.beat(step)
+            yield event
+    except GeneratorExit:
         raise
     except BaseException as exc:
-        # The other ranks would wait forever in their next collective: end the whole job.
-        comm.abort(f"rank {comm.rank} failed: {type(exc).__name__}: {exc}")
+        if comm.size == 1 or not started:
+            raise
+        # The other ranks would wait for ever in their next collective: end the whole job,
+        # with this rank's message printed once (MPI_Abort stops the others before they print).
+        user = user_error_of(exc)
+        if isinstance(exc, KeyboardInterrupt):
+            comm.abort("interrupted", 130, quiet=True)
+        elif user is not None:
+            print(f"labavg: error: rank {comm.rank}: {one_line(user)}", file=sys.stderr, flush=True)
+            comm.abort(str(user), 2, quiet=True)
+        else:
+            comm.abort(f"rank {comm.rank} failed: {type(exc).__name__}: {one_line(exc)} "
+                       f"(after step {step})")
         raise
     finally:
+        if watchdog is not None:
+            watchdog.close()
         comm.close()
+
+
+def _agree(comm: Communicator, opener: Callable[[], Any]) -> Any:
+    """Run `opener` on every rank; if any rank fails, every rank raises (one prints).
+
+    One allreduce of a per-rank failure flag, before any other collective, so that a rank that
+    cannot open its data cannot leave the others waiting in the first broadcast.
+    """
+    failure: BaseException | None = None
+    result = None
+    try:
+        result = opener()
+    except Exception as exc:  # noqa: BLE001 - agreed on below, re-raised on the rank that met it
+        failure = exc
+    flags = torch.zeros(comm.size, dtype=torch.float64)
+    flags[comm.rank] = 1.0 if failure is not None else 0.0
+    comm.allreduce_mean(flags)
+    failed = [r for r in range(comm.size) if flags[r].item() > 0]
+    if not failed:
+        return result
+    if comm.rank == failed[0]:
+        raise failure
+    raise PeerFailed(f"rank {failed[0]} could not start: see its message")

@@ -26,3 +26,13 @@ class Communicator(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
+
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        """End the whole job now (the other ranks may be blocked in a collective).
+
+        `code` is the job's exit status where the backend can set it; `quiet` when the caller
+        has already printed `reason`.
+        """
+
+    def close(self) -> None:
+        """Release the backend's resources (the process group, staging buffers)."""

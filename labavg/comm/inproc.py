@@ -227,6 +227,10 @@ class InProcCommunicator:
         if self.size > 1:
             self.group.rendezvous(self.rank, _Call("barrier"))
 
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        """Break the group: every rank waiting in (or later entering) a collective raises."""
+        self.group.abort(reason)
+
     def close(self) -> None:
         """Nothing to release; present for symmetry with the process backends."""
 

@@ -69,12 +69,19 @@ class MpiCommunicator:
         if self.size > 1:
             self._comm.Barrier()
 
-    def abort(self, reason: str) -> None:
-        """End every rank of the job (MPI_Abort): the others may be blocked in a collective."""
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        """End every rank of the job (MPI_Abort): the others may be blocked in a collective.
+
+        `code` becomes mpiexec's exit status; `quiet` when the caller has printed the reason.
+        """
         import sys
 
-        print(f"labavg: {reason}; aborting all {self.size} MPI ranks", file=sys.stderr, flush=True)
-        self._comm.Abort(1)
+        if not quiet:
+            print(f"labavg: {reason}; aborting all {self.size} MPI ranks", file=sys.stderr, flush=True)
+        self._comm.Abort(code)
+        import os
+
+        os._exit(code)  # MPICH's Abort can return in the caller before the launcher kills it
 
     def close(self) -> None:
         """Drop the staging buffer; mpi4py finalizes MPI itself at interpreter exit."""

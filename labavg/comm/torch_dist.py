@@ -66,13 +66,14 @@ class TorchDistCommunicator:
         else:
             self._dist.barrier()
 
-    def abort(self, reason: str) -> None:
-        """Exit this process at once; torchrun then ends the other ranks of the job."""
-        import os
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        """Exit this process at once with `code`; torchrun then ends the other ranks of the job."""
         import sys
 
-        print(f"labavg: {reason}; exiting so torchrun ends the job", file=sys.stderr, flush=True)
-        os._exit(1)
+        if not quiet:
+            print(f"labavg: {reason}; exiting so torchrun ends the job", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(code)
 
     def close(self) -> None:
         """Destroy the process group if this communicator created it (torch warns otherwise)."""

@@ -54,7 +54,7 @@ class SingleCommunicator:
     def barrier(self) -> None:
         """Nobody else to wait for."""
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         """Nothing to end: one process, no peers waiting."""
 
     def close(self) -> None:

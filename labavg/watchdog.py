@@ -1,0 +1,214 @@
+"""The watchdog: a rank that goes silent ends the job instead of hanging it.
+
+A blocking collective waits for every rank, so one stopped, hung or lost process would keep
+all the others spinning in their next allreduce for ever (MPI has no timeout; torch's is 300 s).
+Each rank of a process backend runs a `Watchdog` thread beside its trainer:
+
+- the trainer beats it at every event and every collective (`WatchedCommunicator` wraps the
+  real communicator, so the trainer itself knows nothing of this);
+- a rank whose own main thread makes no progress for `limit` seconds outside a collective (a
+  hung step, the `hang` fault) ends the job naming itself;
+- a rank that has waited `limit` seconds inside one collective looks at its peers' heartbeat
+  files (RUN_DIR/heartbeat/rankR.json, rewritten every second by each rank's watchdog thread):
+  peers whose file has not changed for `limit` seconds (a SIGSTOPped or frozen process, a lost
+  node) are named and the job is ended; peers still beating and computing are waited for. With
+  no run directory there are no heartbeat files and the wait itself ends the job.
+
+Staleness is judged by each rank's own monotonic clock (a heartbeat counter that stopped
+changing), never by comparing wall clocks of different hosts. The job is ended through the
+communicator's `abort` (MPI_Abort, or process exit under torchrun), which is safe from this
+thread: labavg's MPI runs at MPI_THREAD_MULTIPLE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HEARTBEAT_DIR = "heartbeat"
+TICK_SECONDS = 1.0
+EXIT_WATCHDOG = 3  # exit status of a job ended by the watchdog (2 is a user error)
+
+
+class Watchdog:
+    """Watches one rank's progress and its peers' heartbeats; ends the job when one goes silent."""
+
+    def __init__(self, comm: Any, limit: float, run_dir: Path | None = None,
+                 tick: float = TICK_SECONDS):
+        self.comm = comm
+        self.limit = float(limit)
+        self.tick = tick
+        self.dir = Path(run_dir) / HEARTBEAT_DIR if run_dir is not None else None
+        self._lock = threading.Lock()
+        self._step = 0
+        self._beat = time.monotonic()
+        self._armed = False  # no "hung step" verdicts before the first collective is over
+        self._collective: str | None = None
+        self._collective_since = 0.0
+        self._count = 0
+        self._peers: dict[int, tuple[Any, float]] = {}  # rank -> (last count seen, when it changed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="labavg-watchdog", daemon=True)
+
+    # -- called by the rank's main thread -----------------------------------------------------
+
+    def start(self) -> "Watchdog":
+        self._write_heartbeat()
+        self._thread.start()
+        return self
+
+    def beat(self, step: int | None = None) -> None:
+        """The main thread made progress (an event, a finished collective)."""
+        with self._lock:
+            self._beat = time.monotonic()
+            if step is not None:
+                self._step = step
+
+    def enter(self, name: str) -> None:
+        with self._lock:
+            self._collective = name
+            self._collective_since = time.monotonic()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._collective = None
+            self._beat = time.monotonic()
+            self._armed = True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5 * self.tick)
+        if self.dir is not None:
+            (self.dir / f"rank{self.comm.rank}.json").unlink(missing_ok=True)
+            try:
+                self.dir.rmdir()  # the last rank out removes the folder
+            except OSError:
+                pass
+
+    # -- the watchdog thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick):
+            self._count += 1
+            self._write_heartbeat()
+            verdict = self.check(time.monotonic())
+            if verdict is not None:
+                self._end(verdict)
+                return
+
+    def check(self, now: float) -> str | None:
+        """The reason to end the job now, or None. Pure but for reading peers' heartbeats."""
+        with self._lock:
+            collective, since, beat, step, armed = (
+                self._collective, self._collective_since, self._beat, self._step, self._armed)
+        if collective is None:
+            if armed and now - beat > self.limit:
+                return (f"rank {self.comm.rank} made no progress for {now - beat:.0f} s after "
+                        f"step {step} (watchdog_seconds = {self.limit:g})")
+            return None
+        if now - since <= self.limit:
+            return None
+        peers = self._read_peers(now)
+        if peers is None:
+            return (f"rank {self.comm.rank} waited {now - since:.0f} s in {collective} at step "
+                    f"{step}; the other ranks did not arrive (watchdog_seconds = {self.limit:g})")
+        silent = [(r, info) for r, (info, stale) in sorted(peers.items()) if stale > self.limit]
+        if silent:
+            names = ", ".join(
+                f"rank {r}" + (f" (pid {info['pid']} on {info['host']}, last step {info['step']})"
+                               if isinstance(info, dict) else " (no heartbeat)")
+                for r, info in silent)
+            return (f"{names} silent for over {self.limit:g} s while rank {self.comm.rank} waited "
+                    f"in {collective} at step {step} (watchdog_seconds = {self.limit:g})")
+        waiting = all(isinstance(info, dict) and info.get("collective") for info, _ in peers.values())
+        if waiting and now - since > 2 * self.limit:
+            return (f"every rank has waited over {self.limit:g} s in a collective at step {step}: "
+                    f"the ranks called different collectives")
+        return None
+
+    def _read_peers(self, now: float) -> dict[int, tuple[Any, float]] | None:
+        """rank -> (its heartbeat, seconds since it last changed), for every other rank."""
+        if self.dir is None:
+            return None
+        out = {}
+        for rank in range(self.comm.size):
+            if rank == self.comm.rank:
+                continue
+            info = _read_json(self.dir / f"rank{rank}.json")
+            count = info.get("count") if isinstance(info, dict) else None
+            last, changed = self._peers.get(rank, (None, now))
+            if count != last or rank not in self._peers:
+                changed = now
+            self._peers[rank] = (count, changed)
+            out[rank] = (info, now - changed)
+        return out
+
+    def _write_heartbeat(self) -> None:
+        if self.dir is None:
+            return
+        with self._lock:
+            info = {"rank": self.comm.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                    "step": self._step, "collective": self._collective, "count": self._count}
+        path = self.dir / f"rank{self.comm.rank}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            # Never creates the run directory itself: that is its lock holder's, which removes
+            # it again if the job fails to start.
+            if not self.dir.parent.is_dir():
+                return
+            self.dir.mkdir(exist_ok=True)
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a full or vanished disk must not kill training; peers will see us as stale
+
+    def _end(self, reason: str) -> None:
+        print(f"labavg: error: watchdog: {reason}; ending the job", file=sys.stderr, flush=True)
+        self.comm.abort(reason, EXIT_WATCHDOG, quiet=True)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class WatchedCommunicator:
+    """A communicator whose collectives tell the watchdog when this rank is waiting in one."""
+
+    def __init__(self, comm: Any, watchdog: Watchdog):
+        self._comm = comm
+        self._watchdog = watchdog
+        self.rank, self.size, self.local_rank = comm.rank, comm.size, comm.local_rank
+
+    def _call(self, name: str, fn, *args, **kwargs):
+        self._watchdog.enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._watchdog.leave()
+
+    def allreduce_mean(self, buf: torch.Tensor) -> None:
+        self._call("allreduce", self._comm.allreduce_mean, buf)
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        self._call("broadcast", self._comm.broadcast, buf, root)
+
+    def barrier(self) -> None:
+        self._call("barrier", self._comm.barrier)
+
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        self._comm.abort(reason, code, quiet=quiet)
+
+    def close(self) -> None:
+        self._comm.close()
