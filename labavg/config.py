@@ -98,10 +98,11 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# What each setting must be. A rule is checked where a section is built from plain values
-# (TOML, --set, config.json), before the dataclass exists, because NGConfig, RBMConfig and
-# NewbobConfig refuse bad values in __post_init__ with a bare ValueError; `validate` checks the
-# same rules again for configs built in Python.
+# What each setting must be; `validate` checks them all. The sections in _SELF_CHECKING refuse
+# bad values in __post_init__ with a bare ValueError, so their rules also run where they are
+# built from plain values (TOML, --set, config.json), before the dataclass exists. The others
+# stay buildable with bad values, so that a caller (a sweep naming its grid point) can build
+# first and validate in its own try.
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -248,6 +249,7 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "criterion": _choice(NEWBOB_CRITERIA),
     },
 }
+_SELF_CHECKING = (NGConfig, RBMConfig, NewbobConfig)
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "ngsgd": NGConfig, "rbm": RBMConfig,
              "newbob": NewbobConfig}
 
@@ -275,13 +277,17 @@ def _cross_checks(cls: type, v: Mapping[str, Any], prefix: str) -> str | None:
     return None
 
 
-def _check_section(cls: type, values: Mapping[str, Any], prefix: str) -> str | None:
+def _check_fields(cls: type, values: Mapping[str, Any], prefix: str) -> str | None:
     """The first broken rule of one section's values (all fields present), or None."""
     for name, rule in _RULES.get(cls, {}).items():
         value = values[name]
         if value is not None and not rule.ok(value):
             return _bad(prefix + name, rule.text, value)
-    return _cross_checks(cls, values, prefix)
+    return None
+
+
+def _check_section(cls: type, values: Mapping[str, Any], prefix: str) -> str | None:
+    return _check_fields(cls, values, prefix) or _cross_checks(cls, values, prefix)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -341,10 +347,11 @@ def _from_dict(cls: type, values: Any, source: str, prefix: str = "") -> Any:
         if key not in hints:
             raise UserError(f"{source}: unknown key {prefix}{key}; known keys: {', '.join(known)}")
         kwargs[key] = _coerce(value, hints[key], source, prefix + key)
-    merged = {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)} | kwargs
-    problem = _check_section(cls, merged, prefix)
-    if problem is not None:
-        raise UserError(f"{source}: {problem}")
+    if cls in _SELF_CHECKING:
+        merged = {f.name: getattr(cls(), f.name) for f in dataclasses.fields(cls)} | kwargs
+        problem = _check_section(cls, merged, prefix)
+        if problem is not None:
+            raise UserError(f"{source}: {problem}")
     try:
         return cls(**kwargs)
     except ValueError as exc:  # a dataclass's own check that the rules above do not cover
@@ -458,12 +465,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Every field of every section is checked (the rules above), then what ties them together,
     the run directory, and the model's size for the smallest plausible data.
     """
-    for prefix, section in [("", cfg), *((name + ".", getattr(cfg, name)) for name in _SECTIONS)]:
-        problem = _check_section(type(section), dataclasses.asdict(section) if prefix else
-                                 {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
-                                 prefix)
-        if problem is not None:
-            raise UserError(problem)
+    sections = [(type(cfg), {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "")]
+    sections += [(type(getattr(cfg, name)), dataclasses.asdict(getattr(cfg, name)), name + ".")
+                 for name in _SECTIONS]
+    # Single values first: a cross-field message about a value that is itself bad would
+    # point at the wrong key.
+    for check in (_check_fields, _cross_checks):
+        for cls, values, prefix in sections:
+            problem = check(cls, values, prefix)
+            if problem is not None:
+                raise UserError(problem)
     if not _NONEMPTY.ok(cfg.out):
         raise UserError(_bad("out", "a non-empty path (the run directory)", cfg.out))
     out = Path(cfg.out)
