@@ -196,19 +196,20 @@ def mpi_launcher_config(extra_args: list[str] | None = None):
     """traitlets Config making ipyparallel's MPI engine launcher run the venv's MPICH locally.
 
     `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, and the
-    LOOPBACK_MPICH_ENV settings keep rank traffic on 127.0.0.1. With `-disable-auto-cleanup`
+    LOOPBACK_HYDRA_ARGS / LOOPBACK_MPICH_ENV settings keep hydra's proxy connection and rank
+    traffic on 127.0.0.1. With `-disable-auto-cleanup`
     hydra does not kill the other ranks at once when one dies: they end when their next
     collective fails, or hang, so the client sees the dead rank go first and can name it
     (`RunHandle.kill` ends the rest).
     """
     from traitlets.config import Config
 
-    from labavg.comm.world import LOOPBACK_MPICH_ENV, find_mpiexec
+    from labavg.comm.world import LOOPBACK_HYDRA_ARGS, LOOPBACK_MPICH_ENV, find_mpiexec
 
     mpiexec = find_mpiexec()
     args: list[str] = []
     if (mpiexec.parent / "hydra_pmi_proxy").exists():  # MPICH's hydra, as comm.world checks
-        args += ["-launcher", "fork", "-disable-auto-cleanup"]
+        args += ["-launcher", "fork", *LOOPBACK_HYDRA_ARGS, "-disable-auto-cleanup"]
         for name, value in LOOPBACK_MPICH_ENV.items():
             args += ["-genv", name, value]
     config = Config()

@@ -110,6 +110,22 @@ class DNN(nn.Module):
         return self.net(self.normalize_input(x))
 
 
+def parameter_count(cfg: ModelConfig, input_dim: int, num_pdfs: int) -> int:
+    """Trainable scalars a DNN of `cfg` would have, computed without building it.
+
+    Python integers, so an absurd shape gives an exact huge number rather than an overflow;
+    `labavg.config.check_model_size` uses it to refuse a model before anything is allocated.
+    """
+    out_dim = cfg.hidden_dim // cfg.pnorm_group if cfg.nonlinearity == "pnorm" else cfg.hidden_dim
+    total, dim = 0, input_dim
+    for _ in range(min(cfg.hidden_layers, 1)):
+        total += (dim + 1) * cfg.hidden_dim
+        dim = out_dim
+    # The layers after the first are all alike: no loop, so 10**12 layers cost nothing here.
+    total += max(cfg.hidden_layers - 1, 0) * (out_dim + 1) * cfg.hidden_dim
+    return total + (dim + 1) * num_pdfs
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of trainable scalars."""
     return sum(p.numel() for p in model.parameters())

@@ -32,6 +32,11 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 # provider on the loopback keeps rank traffic on 127.0.0.1 (same-host data moves through shared
 # memory anyway).
 LOOPBACK_MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}
+# hydra tells its proxies to connect back to `mpiexec` at this host's name, which may resolve
+# to an external address; -localhost makes that connection loopback. It does not move the
+# control port's listener: hydra binds it to INADDR_ANY whatever the options (-iface,
+# -localhost, HYDRA_IFACE all measured; see docs/cluster.md, "Listening sockets").
+LOOPBACK_HYDRA_ARGS = ("-localhost", "127.0.0.1")
 
 
 @dataclass
@@ -186,8 +191,11 @@ def mpiexec_command(n: int, argv: list[str], *, hosts: str | None = None) -> lis
     `hosts` is a comma-separated host list ("h1,h2"; hydra also takes "h1:4,h2:4"). Without it the run
     stays on this machine: for hydra we pass `-launcher fork` so that it neither tries ssh nor
     picks up a surrounding Slurm allocation (hydra already forks for the local host, but being
-    explicit keeps a local run local) and LOOPBACK_MPICH_ENV so the ranks listen on 127.0.0.1
-    only. hydra's own control port still binds 0.0.0.0 for the run's duration (no option moves it).
+    explicit keeps a local run local), LOOPBACK_HYDRA_ARGS so its proxy connects back over
+    127.0.0.1, and LOOPBACK_MPICH_ENV so the ranks listen on 127.0.0.1 only. hydra's own control
+    port still binds 0.0.0.0 for the run's duration, and the ranks inherit that socket (no
+    option moves it; MPICH's gforker, which has no such port, loses a killed rank's exit status
+    and waits forever on a rank that exits early, so it is no substitute).
     """
     if n < 1:
         raise UserError(f"number of ranks must be at least 1, got {n}")
@@ -197,7 +205,7 @@ def mpiexec_command(n: int, argv: list[str], *, hosts: str | None = None) -> lis
     if hosts:
         command += ["-hosts" if hydra else "--host", hosts]
     elif hydra:
-        command += ["-launcher", "fork"]
+        command += ["-launcher", "fork", *LOOPBACK_HYDRA_ARGS]
         for name, value in LOOPBACK_MPICH_ENV.items():
             command += ["-genv", name, value]
     return command + [sys.executable, *argv]
