@@ -194,6 +194,7 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "max_param_change": _LIMIT,
         "checkpoint_every": _POSITIVE,
         "log_every": _POSITIVE,
+        "watchdog_seconds": _real(0, text="finite and >= 0 (0 turns the watchdog off)"),
     },
     ModelConfig: {
         "hidden_layers": _int(0),

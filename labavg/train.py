@@ -128,8 +128,11 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     Called before any rank allocates a model, so that what every rank would meet is reported once.
     """
+    from labavg.config import check_model_size
+
     train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
     steps_per_epoch(train_keys, source.num_frames, size or cfg.ranks, cfg.minibatch)
+    check_model_size(cfg, source.feat_dim * (2 * cfg.data.context + 1), source.num_pdfs)
 
 
 @dataclass
