@@ -178,8 +178,13 @@ def run_training(
     on_event: Callable[[Event], None] | None = None,
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
+    decode_data: str | None = None,
 ) -> dict[str, Any] | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
+
+    At the end rank 0 writes RUN_DIR/final.pt (labavg.decode.model); with `decode_data` it
+    also decodes that data (a data dir, or a corpus with dev/ and test/) and the summary gains
+    wer, wer_ci, per, per_ci, acwt and decode_set.
 
     Under mpiexec/torchrun every process calls this; only rank 0 returns the summary (others
     return None). `on_event` sees every event this process sees.
@@ -216,6 +221,9 @@ def run_training(
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
+                from labavg.decode.run import export_and_decode
+
+                summary.update(export_and_decode(run_dir, cfg, source, decode_data))
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:

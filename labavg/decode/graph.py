@@ -271,22 +271,29 @@ def compose_hlg(h: kaldifst.StdVectorFst, l: kaldifst.StdVectorFst, g: kaldifst.
     return hlg
 
 
-def phone_bigram_g(topology: dict[str, Any], sequences: list[list[int]]) -> kaldifst.StdVectorFst:
-    """A phone bigram acceptor (labels = topology labels), add-0.5 smoothed.
+def phone_bigram_counts(topology: dict[str, Any], sequences: list[list[int]]) -> list[list[float]]:
+    """Bigram counts [history][next] of phone label sequences, add-0.5 smoothed.
 
-    State 0 is the sentence start, state 1 + i the history "phone i". `sequences` are phone
-    label sequences, e.g. from the training alignments.
+    History 0 is the sentence start, 1 + i "phone i"; next == number of phones is </s>.
     """
-    labels = list(topology["labels"])
-    index = {lab: i for i, lab in enumerate(labels)}
-    n = len(labels)
-    counts = [[0.5] * (n + 1) for _ in range(n + 1)]  # [history][next], next == n is </s>
+    index = {lab: i for i, lab in enumerate(topology["labels"])}
+    n = len(index)
+    counts = [[0.5] * (n + 1) for _ in range(n + 1)]
     for seq in sequences:
         prev = 0
         for lab in seq:
             counts[prev][index[lab]] += 1
             prev = 1 + index[lab]
         counts[prev][n] += 1
+    return counts
+
+
+def phone_bigram_g(topology: dict[str, Any], counts: list[list[float]]) -> kaldifst.StdVectorFst:
+    """The phone bigram acceptor of `phone_bigram_counts` (labels = topology labels)."""
+    labels = list(topology["labels"])
+    n = len(labels)
+    if len(counts) != n + 1:
+        raise DataError(f"phone bigram of {len(counts) - 1} phones for a topology of {n}")
     arcs, finals = [], {}
     for hist in range(n + 1):
         total = sum(counts[hist])

@@ -13,8 +13,9 @@ so `torch.load(path, weights_only=True)` reads it.
       "context": splice +-context, "apply_cmvn", "norm_vars": the feature pipeline,
       "pdf_counts": float64 [num_pdfs], "log_priors": float32 [num_pdfs],
       "topology": see `synth_topology` / `kaldi_topology`,
+      "phone_bigram": phone bigram counts of the training alignments (for the PER graph),
       "word_counts": {word: count} of the training transcripts (for a unigram G),
-      "train_data": absolute path of the training data, "lexicon": a lexicon path or None,
+      "train_utts": training utterances, "train_data": absolute path of the training data, "lexicon": a lexicon path or None,
     }
 """
 
@@ -147,6 +148,8 @@ def find_kaldi_phones(ali_dir: Path) -> Path | None:
 
 def build_export(model: DNN, cfg, source, train_keys: list[str]) -> dict[str, Any]:
     """The final.pt payload for `model` trained with `cfg` on `source` (a KaldiUtterances)."""
+    from labavg.decode.graph import alignment_phone_sequences, phone_bigram_counts
+
     data = Path(cfg.data.data).resolve()
     counts = pdf_counts(source.pdfs, train_keys, source.num_pdfs)
     lexicon = None
@@ -174,8 +177,10 @@ def build_export(model: DNN, cfg, source, train_keys: list[str]) -> dict[str, An
         "norm_vars": bool(cfg.data.norm_vars),
         "pdf_counts": torch.from_numpy(counts), "log_priors": torch.from_numpy(log_priors(counts)),
         "topology": topology,
+        "phone_bigram": None if topology is None else phone_bigram_counts(
+            topology, alignment_phone_sequences(topology, (source.pdfs[k] for k in train_keys))),
         "word_counts": read_word_counts(data / "text", set(train_keys)) if data.is_dir() else {},
-        "train_data": str(data), "lexicon": lexicon,
+        "train_utts": len(train_keys), "train_data": str(data), "lexicon": lexicon,
     }
 
 
@@ -218,7 +223,9 @@ class ExportedModel:
     norm_vars: bool
     feat_dim: int
     topology: dict[str, Any] | None
+    phone_bigram: list[list[float]] | None
     word_counts: dict[str, int]
+    train_utts: int
     train_data: str
     lexicon: str | None
     path: Path
@@ -266,5 +273,6 @@ def load_final_model(path: str | os.PathLike) -> ExportedModel:
         dnn=dnn, log_priors=blob["log_priors"].float(), context=int(blob["context"]),
         apply_cmvn=bool(blob["apply_cmvn"]), norm_vars=bool(blob["norm_vars"]),
         feat_dim=int(blob["feat_dim"]), topology=blob["topology"],
-        word_counts=dict(blob["word_counts"]), train_data=blob["train_data"],
+        phone_bigram=blob["phone_bigram"], word_counts=dict(blob["word_counts"]),
+        train_utts=int(blob["train_utts"]), train_data=blob["train_data"],
         lexicon=blob["lexicon"], path=path)
