@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--hours", type=float, default=1.0, help="hours of speech (default 1.0)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    synth.add_argument("--dev-hours", type=float, default=0.1,
+                       help="held-out dev set OUT_DIR/dev, other speakers (default 0.1; 0: none)")
+    synth.add_argument("--test-hours", type=float, default=0.5,
+                       help="held-out test set OUT_DIR/test, other speakers (default 0.5; 0: none)")
     synth.set_defaults(func=cmd_synth)
 
     _add_train_parser(sub)
@@ -166,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_synth(args: argparse.Namespace) -> int:
     from labavg.data.synth import synthesize
 
-    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite)
+    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite,
+                      dev_hours=args.dev_hours, test_hours=args.test_hours)
     print(f"wrote {args.out_dir}: {info}")
     return 0
 

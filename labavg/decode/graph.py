@@ -186,14 +186,13 @@ def build_l(lang: Lang, sil_prob: float = SIL_PROB) -> tuple[kaldifst.StdVectorF
 def unigram_g(lang: Lang, word_counts: dict[str, int], num_utts: int) -> kaldifst.StdVectorFst:
     """A unigram G from training word counts, add-one smoothed over the lexicon's words.
 
-    p(</s>) = utterances / (words + utterances); every lexicon word keeps a chance, so a word
-    the training text never used can still be recognised.
+    p(</s>) = utterances / (smoothed word count + utterances); every lexicon word keeps a
+    chance, so a word the training text never used can still be recognised.
     """
     vocab = lang.real_words
     counts = {w: word_counts.get(w, 0) + 1 for w in vocab}
     total = sum(counts.values())
-    tokens = sum(word_counts.get(w, 0) for w in vocab)
-    p_end = max(num_utts, 1) / (tokens + max(num_utts, 1))
+    p_end = max(num_utts, 1) / (total + max(num_utts, 1))
     arcs = [(0, 0, lang.word_id[w], lang.word_id[w], -math.log((1 - p_end) * c / total))
             for w, c in counts.items()]
     return _compile(arcs, {0: -math.log(p_end)})
