@@ -4,6 +4,7 @@
     labavg train [CONFIG.toml] ...   train (flags override the file)
     labavg sweep SWEEP.toml --out D  train a grid of configurations
     labavg dashboard                 serve the live dashboard
+    labavg decode RUN_DIR --data D   word and phone error rates of a run's final model
     labavg info RUN_DIR...           print run summaries as a table
 
 Bad input prints one message and exits with status 2.
@@ -75,6 +76,9 @@ def _add_train_parser(sub) -> None:
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--decode-data", metavar="DIR",
+                   help="decode DIR at the end (a data dir, or a corpus with dev/ and test/); "
+                   "summary.json gains wer and per")
     p.set_defaults(func=cmd_train)
 
 
@@ -94,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--hours", type=float, default=1.0, help="hours of speech (default 1.0)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    synth.add_argument("--dev-hours", type=float, default=0.1,
+                       help="held-out dev set OUT_DIR/dev, other speakers (default 0.1; 0: none)")
+    synth.add_argument("--test-hours", type=float, default=0.5,
+                       help="held-out test set OUT_DIR/test, other speakers (default 0.5; 0: none)")
     synth.set_defaults(func=cmd_synth)
 
     _add_train_parser(sub)
@@ -136,6 +144,24 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--report", default="REPRODUCTION.md", help="report to write")
     rep.set_defaults(func=cmd_reproduce)
 
+    decode = sub.add_parser(
+        "decode", help="decode a data set with a run's final model (WER, PER)",
+        description="Decode DIR with RUN_DIR/final.pt on an HLG graph (kaldifst, kaldi-decoder), "
+        "sweep the acoustic scale (on --dev when given) and write RUN_DIR/decode_<set>/ "
+        "(hyp_<acwt>.txt, wer_<acwt>, best_wer, per, result.json).",
+    )
+    decode.add_argument("run_dir", help="a finished run directory (with final.pt)")
+    decode.add_argument("--data", required=True, help="Kaldi data dir to decode (feats.scp, text)")
+    decode.add_argument("--dev", help="data dir to choose the acoustic scale on")
+    words = decode.add_mutually_exclusive_group()
+    words.add_argument("--lang", help="Kaldi lang dir (phones.txt; lexicon.txt or ../local/dict/lexicon.txt)")
+    words.add_argument("--lexicon", help="lexicon.txt (word phone ...)")
+    decode.add_argument("--lm", help="ARPA language model (default: unigram of the training text)")
+    decode.add_argument("--acwt", type=float, action="append",
+                        help="acoustic scale (repeat to sweep; default 0.05..0.2)")
+    decode.add_argument("--beam", type=float, default=None, help="decoding beam (default 13)")
+    decode.set_defaults(func=cmd_decode)
+
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of finished runs as a table.")
     info.add_argument("run_dirs", nargs="+", help="run directories")
@@ -147,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_synth(args: argparse.Namespace) -> int:
     from labavg.data.synth import synthesize
 
-    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite)
+    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite,
+                      dev_hours=args.dev_hours, test_hours=args.test_hours)
     print(f"wrote {args.out_dir}: {info}")
     return 0
 
@@ -205,7 +232,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.backend == "torch" and detect_launcher() != "torch":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
     summary = run_training(cfg, resume=resume, progress=not args.no_progress,
-                           allow_pipes=args.allow_pipes)
+                           allow_pipes=args.allow_pipes, decode_data=args.decode_data)
     if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
@@ -364,6 +391,18 @@ def _last_steps(run_dir: Path) -> str:
         if "step" in event:
             last[event["rank"]] = max(last.get(event["rank"], 0), event["step"])
     return ", ".join(f"rank {r} last event at step {s}" for r, s in sorted(last.items()))
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from labavg.decode.decoder import DEFAULT_BEAM
+    from labavg.decode.run import DEFAULT_ACWTS, decode_run, format_result
+
+    summary = decode_run(args.run_dir, args.data, dev=args.dev, lang_dir=args.lang,
+                         lexicon=args.lexicon, lm=args.lm, acwts=tuple(args.acwt or DEFAULT_ACWTS),
+                         beam=args.beam if args.beam is not None else DEFAULT_BEAM)
+    print(format_result(summary))
+    print(f"decode directory: {Path(args.run_dir) / ('decode_' + summary['set'])}")
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:

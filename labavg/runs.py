@@ -337,8 +337,13 @@ def run_training(
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
     allow_pipes: bool = False,
+    decode_data: str | None = None,
 ) -> dict[str, Any] | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
+
+    At the end rank 0 writes RUN_DIR/final.pt (labavg.decode.model); with `decode_data` it
+    also decodes that data (a data dir, or a corpus with dev/ and test/) and the summary gains
+    wer, wer_ci, per, per_ci, acwt and decode_set.
 
     Under mpiexec/torchrun every process calls this; only rank 0 returns the summary (others
     return None). `on_event` sees every event this process sees. `allow_pipes` lets data files
@@ -350,16 +355,20 @@ def run_training(
     with run_dir_lock(run_dir):
         if resume and _launcher_rank() == 0:
             remove_orphans(run_dir)
+        opened: dict[str, Any] = {}
+
         def open_data():  # opened on every rank (labavg.train.train agrees on the outcome)
-            return preflight(cfg, resume, allow_pipes)
+            opened["source"] = preflight(cfg, resume, allow_pipes)
+            return opened["source"]
 
         return _consume(cfg, train(cfg, open_data, run_dir, resume, should_stop=should_stop),
-                        run_dir, resume, on_event, progress)
+                        run_dir, resume, on_event, progress, opened, decode_data)
 
 
 def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: bool,
-             on_event: Callable[[Event], None] | None, progress: bool) -> dict[str, Any] | None:
-    """Write the run directory from the trainer's events; rank 0's summary."""
+             on_event: Callable[[Event], None] | None, progress: bool, opened: dict[str, Any],
+             decode_data: str | None) -> dict[str, Any] | None:
+    """Write the run directory from the trainer's events; rank 0's summary (and final.pt)."""
     logs: dict[int, EventLog] = {}
     started: dict[int, RunStarted] = {}
     summary = None
@@ -383,6 +392,9 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
                 summary["resumed"] = resume
+                from labavg.decode.run import export_and_decode
+
+                summary.update(export_and_decode(run_dir, cfg, opened["source"], decode_data))
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:

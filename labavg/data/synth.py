@@ -591,11 +591,29 @@ def _write_corpus(build: Path, final: Path, plans: list[_Plan], table: tuple[Pho
     return total_frames, hours
 
 
+def _plan_set(rng: np.random.Generator, speakers: list[_Speaker], table: tuple[Phone, ...],
+              lexicon: list[tuple[str, list[int]]], hours: float) -> list[_Plan]:
+    """Utterances of 1.5-5 s dealt to `speakers` in turn until `hours`, sorted by id."""
+    plans: list[_Plan] = []
+    spent, target = 0.0, hours * 3600.0
+    counts = [0] * len(speakers)
+    while spent < target:
+        spk_index = len(plans) % len(speakers)
+        utt = f"{speakers[spk_index].spk}-u{counts[spk_index]:05d}"
+        counts[spk_index] += 1
+        plans.append(_plan_utterance(rng, utt, speakers[spk_index], table, lexicon,
+                                     rng.uniform(1.5, 5.0)))
+        spent += float(plans[-1].ends[-1])
+    plans.sort(key=lambda p: p.utt)
+    return plans
+
+
 def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
                num_speakers: int | None = None, sample_rate: int = 16000,
                snr_db: tuple[float, float] = (15.0, 35.0), accent_sigma: float = 0.12,
                coarticulation_ms: tuple[float, float] = (20.0, 50.0), lexicon_size: int = 400,
-               overwrite: bool = False) -> CorpusInfo:
+               overwrite: bool = False, dev_hours: float = 0.0, test_hours: float = 0.0
+               ) -> CorpusInfo:
     """Write a synthetic Kaldi data directory of about `hours` of speech to `out_dir`.
 
     The same arguments give byte-identical files (except the absolute paths inside the scp
@@ -604,10 +622,17 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     (log-normal sigma), `coarticulation_ms` the range of half-widths of formant transitions.
     The directory is built beside `out_dir` and renamed into place when complete; a non-empty
     `out_dir` is refused with UserError unless `overwrite`.
+
+    `dev_hours` / `test_hours` > 0 add held-out data dirs `out_dir/dev` and `out_dir/test`: the
+    same lexicon and conditions, other speakers (`devNNN`, `tstNNN`), drawn from their own
+    random streams, so the training files are the same with or without them.
     """
     start = time.perf_counter()
     if not (hours > 0 and np.isfinite(hours)):
         raise UserError(f"hours must be a positive number, got {hours!r}")
+    for name, value in (("dev_hours", dev_hours), ("test_hours", test_hours)):
+        if not (value >= 0 and np.isfinite(value)):
+            raise UserError(f"{name} must be a non-negative number, got {value!r}")
     if sample_rate < 8000:
         raise UserError(f"sample_rate must be at least 8000 Hz, got {sample_rate!r}")
     if lexicon_size < 30:  # fewer words could leave some phones out of the lexicon
@@ -627,17 +652,15 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     width = max(3, len(str(num_speakers - 1)))
     speakers = [_make_speaker(root, f"spk{i:0{width}d}", len(table), accent_sigma)
                 for i in range(num_speakers)]
-    plans: list[_Plan] = []
-    spent, target = 0.0, hours * 3600.0
-    counts = [0] * num_speakers
-    while spent < target:
-        spk_index = len(plans) % num_speakers
-        utt = f"{speakers[spk_index].spk}-u{counts[spk_index]:05d}"
-        counts[spk_index] += 1
-        plans.append(_plan_utterance(root, utt, speakers[spk_index], table, lexicon,
-                                     root.uniform(1.5, 5.0)))
-        spent += float(plans[-1].ends[-1])
-    plans.sort(key=lambda p: p.utt)
+    plans = _plan_set(root, speakers, table, lexicon, hours)
+    held_out = []
+    for index, (name, prefix, set_hours) in enumerate((("dev", "dev", dev_hours),
+                                                       ("test", "tst", test_hours)), start=1):
+        if set_hours > 0:
+            rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
+            set_speakers = [_make_speaker(rng, f"{prefix}{i:03d}", len(table), accent_sigma)
+                            for i in range(max(2, int(round(40 * set_hours))))]
+            held_out.append((name, _plan_set(rng, set_speakers, table, lexicon, set_hours)))
     params = {"seed": int(seed), "hours_requested": float(hours), "sample_rate": int(sample_rate),
               "snr_db": [float(x) for x in snr_db], "accent_sigma": float(accent_sigma),
               "coarticulation_s": [float(x) / 1000.0 for x in coarticulation_ms],
@@ -649,6 +672,10 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     build.mkdir(parents=True)
     try:
         total_frames, actual_hours = _write_corpus(build, final, plans, table, lexicon, sample_rate, params)
+        for name, set_plans in held_out:
+            (build / name).mkdir()
+            _write_corpus(build / name, final / name, set_plans, table, lexicon, sample_rate,
+                          {**params, "set": name})
         if final.exists():
             old = final.with_name(f"{final.name}.old-{os.getpid()}")
             final.rename(old)
