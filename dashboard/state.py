@@ -457,8 +457,8 @@ def _root_message(exc: BaseException) -> str:
 # -- the past runs -------------------------------------------------------------------------
 
 TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "schedule", "pretrain",
-                 "minibatch", "epochs", "model", "cv_acc_pct", "cv_loss", "wall_s", "comm_pct",
-                 "speedup", "efficiency")
+                 "minibatch", "epochs", "model", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss",
+                 "wall_s", "comm_pct", "speedup", "efficiency")
 
 
 def _comparable(config: dict[str, Any]) -> str:
@@ -479,6 +479,7 @@ def _table_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None
         "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
         "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),
         "model": f"{model.get('hidden_layers')}x{model.get('hidden_dim')}",
+        "wer_pct": s.get("wer"), "per_pct": s.get("per"),
         "cv_acc_pct": pct(s.get("cv_frame_accuracy")), "cv_loss": s.get("cv_loss"),
         "wall_s": s.get("wall_seconds"), "comm_pct": pct(s.get("comm_fraction")),
         "speedup": s.get("speedup"), "efficiency": s.get("parallel_efficiency"),

@@ -49,6 +49,8 @@ TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--device": ("device", str, "cpu | cuda | cuda:N | auto"),
     "--threads": ("threads", int, "torch threads per process"),
     "--checkpoint-every": ("checkpoint_every", int, "averaging rounds between checkpoints"),
+    "--decode-data": ("decode_data", str, "decode this at the end (a data dir, or a corpus with "
+                      "dev/ and test/); summary.json gains wer and per"),
 }
 
 BOOL_FLAGS: dict[str, tuple[str, str]] = {
@@ -76,9 +78,6 @@ def _add_train_parser(sub) -> None:
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--decode-data", metavar="DIR",
-                   help="decode DIR at the end (a data dir, or a corpus with dev/ and test/); "
-                   "summary.json gains wer and per")
     p.set_defaults(func=cmd_train)
 
 
@@ -232,7 +231,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.backend == "torch" and detect_launcher() != "torch":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
     summary = run_training(cfg, resume=resume, progress=not args.no_progress,
-                           allow_pipes=args.allow_pipes, decode_data=args.decode_data)
+                           allow_pipes=args.allow_pipes)
     if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")

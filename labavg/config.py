@@ -81,6 +81,7 @@ class TrainConfig:
     tensorboard: bool = True
     inject_fault: str | None = None  # e.g. "nan@rank1:step20" (labavg.faults)
     watchdog_seconds: float = 120.0  # a rank silent this long ends the job (0: off); labavg.watchdog
+    decode_data: str | None = None  # decoded at the end: a data dir, or a corpus with dev/, test/
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ngsgd: NGConfig = field(default_factory=NGConfig)
@@ -195,6 +196,7 @@ _RULES: dict[type, dict[str, _Rule]] = {
         "checkpoint_every": _POSITIVE,
         "log_every": _POSITIVE,
         "watchdog_seconds": _real(0, text="finite and >= 0 (0 turns the watchdog off)"),
+        "decode_data": _NONEMPTY,
     },
     ModelConfig: {
         "hidden_layers": _int(0),

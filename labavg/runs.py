@@ -324,6 +324,10 @@ def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False)
 
     run_dir = Path(cfg.out)
     check_run_dir(run_dir, resume, cfg)
+    if cfg.decode_data is not None:
+        from labavg.decode.run import check_decode_data
+
+        check_decode_data(cfg.decode_data)
     source = open_source(cfg, allow_pipes)
     check_fits(cfg, source)  # with cfg.ranks; the ranks check again with the size they find
     return source
@@ -337,11 +341,10 @@ def run_training(
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
     allow_pipes: bool = False,
-    decode_data: str | None = None,
 ) -> dict[str, Any] | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
 
-    At the end rank 0 writes RUN_DIR/final.pt (labavg.decode.model); with `decode_data` it
+    At the end rank 0 writes RUN_DIR/final.pt (labavg.decode.model); with `cfg.decode_data` it
     also decodes that data (a data dir, or a corpus with dev/ and test/) and the summary gains
     wer, wer_ci, per, per_ci, acwt and decode_set.
 
@@ -362,12 +365,12 @@ def run_training(
             return opened["source"]
 
         return _consume(cfg, train(cfg, open_data, run_dir, resume, should_stop=should_stop),
-                        run_dir, resume, on_event, progress, opened, decode_data)
+                        run_dir, resume, on_event, progress, opened)
 
 
 def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: bool,
-             on_event: Callable[[Event], None] | None, progress: bool, opened: dict[str, Any],
-             decode_data: str | None) -> dict[str, Any] | None:
+             on_event: Callable[[Event], None] | None, progress: bool,
+             opened: dict[str, Any]) -> dict[str, Any] | None:
     """Write the run directory from the trainer's events; rank 0's summary (and final.pt)."""
     logs: dict[int, EventLog] = {}
     started: dict[int, RunStarted] = {}
@@ -392,9 +395,11 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
                 summary["resumed"] = resume
+                # Written before decoding, so that a failed decode loses no training result.
+                atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
                 from labavg.decode.run import export_and_decode
 
-                summary.update(export_and_decode(run_dir, cfg, opened["source"], decode_data))
+                summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:
@@ -412,14 +417,23 @@ def _progress_bar(event: RunStarted, cfg: TrainConfig):
 
 
 def format_table(summaries: Iterable[dict[str, Any]]) -> str:
-    """A Markdown table of run summaries (one row per run)."""
+    """A Markdown table of run summaries (one row per run); error rates when the run decoded."""
     cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
+            ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
             ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
+    summaries = list(summaries)
+    if not any(s.get("wer") is not None for s in summaries):
+        cols = [c for c in cols if c[1] not in ("wer", "per")]
 
-    def cell(key: str, value: Any) -> str:
+    def cell(key: str, value: Any, summary: dict[str, Any]) -> str:
         if value is None:
             return "-"
+        if key == "wer":
+            low, high = summary.get("wer_ci") or (math.nan, math.nan)
+            return f"{value:.2f} ({low:.2f}-{high:.2f})"
+        if key == "per":
+            return f"{value:.2f}"
         if key in ("cv_frame_accuracy", "comm_fraction"):
             return f"{100 * value:.2f}"
         if isinstance(value, float):
@@ -428,7 +442,7 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
 
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for s in summaries:
-        lines.append("| " + " | ".join(cell(k, s.get(k)) for _, k in cols) + " |")
+        lines.append("| " + " | ".join(cell(k, s.get(k), s) for _, k in cols) + " |")
     return "\n".join(lines)
 
 

@@ -37,8 +37,8 @@ from labavg.errors import UserError
 from labavg.runs import SUMMARY, read_summary
 
 COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch",
-           "seed", "cv_frame_accuracy", "cv_loss", "wall_seconds", "compute_seconds",
-           "comm_seconds", "speedup", "parallel_efficiency")
+           "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy", "cv_loss", "wall_seconds",
+           "compute_seconds", "comm_seconds", "speedup", "parallel_efficiency")
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,10 @@ def run_sweep(
                     (run_dir / leftover).unlink(missing_ok=True)
             train_point(cfg, resume)
         summary = read_summary(run_dir)
-        rows.append({"name": name, "seed": cfg.seed, **{k: summary.get(k) for k in COLUMNS
-                                                          if k not in ("name", "seed")}})
+        low, high = summary.get("wer_ci") or (None, None)
+        rows.append({"name": name, "seed": cfg.seed, "wer_ci_low": low, "wer_ci_high": high,
+                     **{k: summary.get(k) for k in COLUMNS
+                        if k not in ("name", "seed", "wer_ci_low", "wer_ci_high")}})
         write_results(rows, out)
     return rows
 
@@ -147,13 +149,21 @@ def format_results(rows: list[dict[str, Any]]) -> str:
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         key = "-".join(p for p in r["name"].split("-") if not p.startswith("seed_"))
-        groups.setdefault(key, []).append(100 * r["cv_frame_accuracy"])
-    lines += ["", "| setting | seeds | CV frame accuracy % (mean) | spread (min-max) |",
-              "|---|---|---|---|"]
-    for key, accs in groups.items():
-        lines.append(f"| {key} | {len(accs)} | {statistics.mean(accs):.2f} | "
-                     f"{min(accs):.2f}-{max(accs):.2f} |")
+        groups.setdefault(key, []).append(r)
+    decoded = any(r.get("wer") is not None for r in rows)
+    lines += ["", "| setting | seeds | CV frame accuracy % (mean) | spread (min-max) |"
+              + (" WER % (mean) | spread (min-max) |" if decoded else ""),
+              "|---|---|---|---|" + ("---|---|" if decoded else "")]
+    for key, group in groups.items():
+        accs = [100 * r["cv_frame_accuracy"] for r in group]
+        line = (f"| {key} | {len(accs)} | {statistics.mean(accs):.2f} | "
+                f"{min(accs):.2f}-{max(accs):.2f} |")
+        wers = [r["wer"] for r in group if r.get("wer") is not None]
+        if decoded:
+            line += (f" {statistics.mean(wers):.2f} | {min(wers):.2f}-{max(wers):.2f} |" if wers
+                     else " - | - |")
+        lines.append(line)
     return "\n".join(lines) + "\n"

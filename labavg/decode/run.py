@@ -339,6 +339,17 @@ def split_decode_data(path: str | os.PathLike) -> tuple[Path, Path | None]:
     return path, None
 
 
+def check_decode_data(path: str | os.PathLike) -> None:
+    """UserError unless `path` is something `split_decode_data` can decode (checked up front)."""
+    test, dev = split_decode_data(path)
+    if not (test / "feats.scp").is_file():
+        raise UserError(f"decode_data {str(path)!r}: {test / 'feats.scp'} does not exist (a data dir "
+                        f"with feats.scp and text, or a corpus with test/ and dev/)")
+    if not (test / "text").is_file():
+        raise UserError(f"decode_data {str(path)!r}: {test / 'text'} does not exist: decoding "
+                        f"needs reference transcripts")
+
+
 def export_and_decode(run_dir: Path, cfg, source, decode_data: str | os.PathLike | None = None
                       ) -> dict[str, Any]:
     """End of a run: write final.pt; with `decode_data`, decode it and return the summary's
