@@ -74,6 +74,10 @@ class KaldiUtterances:
                             "features rewritten since?)")
         if self.cmvn is not None:
             feats = apply_cmvn(feats, self.cmvn.stats_for(key), self.norm_vars)
+            if not np.all(np.isfinite(feats)):
+                spk = self.cmvn.speaker_of(key)
+                raise DataError(f"{self.cmvn.where.get(spk, self.cmvn.source)}: the CMVN stats "
+                                f"for {spk!r} turn utterance {key!r} into NaN or Inf")
         return feats, self.pdfs[key].astype(np.int64)
 
 

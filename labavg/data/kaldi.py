@@ -303,8 +303,13 @@ def read_header(handle: BinaryIO, end: int, where: str) -> ObjectHeader:
             raise DataError(f"{where}: holds a {what} object, not a Kaldi matrix or vector; "
                             "labavg reads only Kaldi objects")
     if not head.startswith(b"\0B"):
-        if not head.strip():
+        text = head.lstrip()
+        if not text:
             raise short()
+        # Kaldi's text objects: `[ ... ]` matrices and vectors, or a line of numbers.
+        if not (text.startswith(b"[") or text[:1].isdigit() or text[:1] in (b"-", b"+")):
+            raise DataError(f"{where}: no Kaldi object starts here (it begins "
+                            f"{head[:8]!r}; stale scp offset, or corrupt ark?)")
         return ObjectHeader("text", None, None, None)
     if head[2:3] == b"\4":
         if len(head) < 7:
@@ -356,8 +361,8 @@ def decode_object(handle: BinaryIO, end: int, where: str) -> object:
     try:
         return read_kaldi(handle)
     except READ_ERRORS as exc:
-        raise DataError(f"{where}: cannot read the object (truncated or corrupt?): "
-                        f"{one_line(exc)[:200]}") from exc
+        said = one_line(exc)[:200] or f"{type(exc).__name__} (a size or marker byte is wrong)"
+        raise DataError(f"{where}: cannot read the object (truncated or corrupt?): {said}") from exc
 
 
 @contextmanager
@@ -639,6 +644,8 @@ def check_cmvn_stats(stats: np.ndarray, where: str, norm_vars: bool = False) -> 
     if norm_vars and stats.shape[0] != 2:
         raise DataError(f"{where}: variance normalisation requested but the stats have no "
                         "second (sum of squares) row")
+    if not np.all(np.isfinite(stats)) or np.abs(stats).max() > np.finfo(np.float32).max:
+        raise DataError(f"{where}: NaN, Inf or out-of-range values in the CMVN stats")
     count = stats[0, -1]
     # Kaldi's threshold (transform/cmvn.cc): balanced-cmvn writes offsets with a count of 1.
     if not count >= 1.0:
