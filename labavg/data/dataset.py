@@ -73,11 +73,12 @@ class KaldiUtterances:
                             f"{said} says {self.num_frames[key]} (stale utt2num_frames, or "
                             "features rewritten since?)")
         if self.cmvn is not None:
-            feats = apply_cmvn(feats, self.cmvn.stats_for(key), self.norm_vars)
+            spk = self.cmvn.speaker_of(key)
+            where = self.cmvn.where.get(spk, self.cmvn.source)
+            feats = apply_cmvn(feats, self.cmvn.stats_for(key), self.norm_vars, where)
             if not np.all(np.isfinite(feats)):
-                spk = self.cmvn.speaker_of(key)
-                raise DataError(f"{self.cmvn.where.get(spk, self.cmvn.source)}: the CMVN stats "
-                                f"for {spk!r} turn utterance {key!r} into NaN or Inf")
+                raise DataError(f"{where}: the CMVN stats for {spk!r} turn utterance {key!r} "
+                                "into NaN or Inf")
         return feats, self.pdfs[key].astype(np.int64)
 
 

@@ -31,7 +31,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 from kaldiio.matio import read_kaldi
@@ -44,7 +44,6 @@ READ_ERRORS = (ValueError, AssertionError, struct.error, EOFError, RuntimeError,
                IndexError, TypeError, OverflowError, KeyError, zlib.error)
 
 _RANGE_SUFFIX = re.compile(r"\[([^\[\]]*)\]$")
-_OFFSET_SUFFIX = re.compile(r":[0-9]+$")
 _RANGE_PART = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")
 
 SCP_PATH_ADVICE = (
@@ -116,6 +115,8 @@ def is_pipe(rxfilename: str) -> bool:
     either with an offset or range after it (`cmd |:12`, `cmd |[0:3]`), which
     kaldiio splits off and then runs the rest.
     """
+    if "|" not in rxfilename:
+        return False
     text = rxfilename.strip()
     if text.endswith("|") or text.startswith("|"):
         return True
@@ -127,13 +128,14 @@ def split_rxfilename(rxfilename: str) -> tuple[str, int | None, str | None]:
     """(file, byte offset or None, range text or None) of `file[:offset][[range]]`."""
     text = rxfilename.strip()
     range_text = None
-    match = _RANGE_SUFFIX.search(text)
-    if match:
-        range_text, text = match.group(1), text[:match.start()]
+    if text.endswith("]"):
+        match = _RANGE_SUFFIX.search(text)
+        if match:
+            range_text, text = match.group(1), text[:match.start()]
     offset = None
-    match = _OFFSET_SUFFIX.search(text)
-    if match:
-        offset, text = int(match.group()[1:]), text[:match.start()]
+    head, colon, tail = text.rpartition(":")
+    if colon and tail.isascii() and tail.isdigit():
+        offset, text = int(tail), head
     return text.strip(), offset, range_text
 
 
@@ -283,16 +285,40 @@ class ObjectHeader:
     size: int | None
 
 
-def read_header(handle: BinaryIO, end: int, where: str) -> ObjectHeader:
-    """Check the header of the object at the handle's position; the position is kept.
-
-    Refuses (DataError) objects that are not Kaldi matrices or vectors, negative
-    sizes, and sizes that need more bytes than are left before `end`.
-    """
+def read_header(handle: BinaryIO, end: int, place: str | Callable[[], str]) -> ObjectHeader:
+    """Check the header of the object at the handle's position; the position is kept."""
     start = handle.tell()
     head = handle.read(32)
     handle.seek(start)
-    left = end - start
+    return parse_header(head, end - start, place)
+
+
+def parse_header(head: bytes, left: int, place: str | Callable[[], str]) -> ObjectHeader:
+    """Check an object's header: its first 32 bytes (fewer at the end of the file).
+
+    Refuses (DataError) objects that are not Kaldi matrices or vectors, negative
+    sizes, and sizes that need more than the `left` bytes from the object's start to
+    the end of its file. `place` names the object in messages (a callable is called
+    only on failure: this runs once per utterance at open time).
+    """
+    if head.startswith(b"\0B") and head[2:3] != b"\4":
+        # The usual case, a binary matrix: decided without the checks for rarer objects.
+        space = head.find(b" ", 2)
+        kind = head[2:space].decode("latin-1") if space > 2 else ""
+        if kind in ("FM", "DM") and len(head) >= space + 11 and head[space + 1] == 4 \
+                and head[space + 6] == 4:
+            rows, cols = struct.unpack("<i", head[space + 2:space + 6])[0], struct.unpack(
+                "<i", head[space + 7:space + 11])[0]
+            size = space + 11 + rows * cols * _ELEMENT_BYTES[kind]
+            if rows >= 0 and cols >= 0 and size <= left:
+                return ObjectHeader(kind, rows, cols, size)
+        elif kind in ("CM", "CM2", "CM3") and len(head) >= space + 17:
+            rows, cols = struct.unpack("<ii", head[space + 9:space + 17])
+            per_col = 8 * cols if kind == "CM" else 0
+            size = space + 17 + per_col + rows * cols * (2 if kind == "CM2" else 1)
+            if rows >= 0 and cols >= 0 and size <= left:
+                return ObjectHeader(kind, rows, cols, size)
+    where = place() if callable(place) else place
 
     def short() -> DataError:
         return DataError(f"{where}: truncated object header ({len(head)} bytes left in the "
@@ -541,28 +567,29 @@ def scp_header_shapes(entries: list[TableEntry]) -> dict[str, tuple[int, int]]:
     utterance at open time, so that a corrupt header or a truncated ark fails then,
     not on whichever rank first loads the utterance. Text matrices are not parsed.
     """
-    by_file: dict[str, list[TableEntry]] = {}
+    by_file: dict[str, list[tuple[TableEntry, int, str | None]]] = {}
     for entry in entries:
-        by_file.setdefault(split_rxfilename(entry.rxfilename)[0], []).append(entry)
+        path, offset, range_text = split_rxfilename(entry.rxfilename)
+        by_file.setdefault(path, []).append((entry, offset or 0, range_text))
     shapes: dict[str, tuple[int, int]] = {}
     for path, group in by_file.items():
-        with open_source(path, entry_where(group[0])) as (handle, end):
-            for entry in group:
-                where = entry_where(entry)
-                _, offset, range_text = split_rxfilename(entry.rxfilename)
-                if offset is not None and offset >= end:
-                    raise DataError(f"{where}: offset {offset} is past the end of {path} "
-                                    f"({end} bytes; truncated ark or stale scp?)")
-                handle.seek(offset or 0)
-                header = read_header(handle, end, f"{where} at {path} byte {offset or 0}")
+        with open_source(path, entry_where(group[0][0])) as (handle, end):
+            descriptor = handle.fileno()
+            for entry, offset, range_text in group:
+                if offset >= end:
+                    raise DataError(f"{entry_where(entry)}: offset {offset} is past the end of "
+                                    f"{path} ({end} bytes; truncated ark or stale scp?)")
+                # pread: 32 bytes, where a seek and a buffered read would fetch 8 kB.
+                header = parse_header(os.pread(descriptor, 32, offset), end - offset,
+                                      lambda: f"{entry_where(entry)} at {path} byte {offset}")
                 if header.kind in ("FV", "DV", "IV"):
-                    raise DataError(f"{where}: holds a vector ({header.kind}), expected a "
-                                    "feature matrix")
+                    raise DataError(f"{entry_where(entry)}: holds a vector ({header.kind}), "
+                                    "expected a feature matrix")
                 if header.kind == "text":
                     continue
                 shape = (header.rows, header.cols)
                 if range_text is not None:
-                    shape = range_shape(parse_range(range_text, where), shape)
+                    shape = range_shape(parse_range(range_text, entry_where(entry)), shape)
                 shapes[entry.key] = shape
     return shapes
 
@@ -653,18 +680,21 @@ def check_cmvn_stats(stats: np.ndarray, where: str, norm_vars: bool = False) -> 
     return stats
 
 
-def apply_cmvn(feats: np.ndarray, stats: np.ndarray, norm_vars: bool = False) -> np.ndarray:
+def apply_cmvn(feats: np.ndarray, stats: np.ndarray, norm_vars: bool = False,
+               where: str = "CMVN stats") -> np.ndarray:
     """Apply CMVN exactly as Kaldi's ApplyCmvn (src/transform/cmvn.cc), in float32.
 
     Mean only: offset = float(-1/count) * sum (accumulated in double, stored as float,
     as VectorBase<float>::AddVec does), added to every row. With norm_vars:
     scale = 1/sqrt(max(var, 1e-20)) and offset = -mean*scale in double, stored as
-    float; x <- x*scale + offset in float. Returns a new float32 array.
+    float; x <- x*scale + offset in float. Returns a new float32 array. `where` names
+    the stats in messages.
     """
-    stats = check_cmvn_stats(stats, "CMVN stats", norm_vars)
+    stats = check_cmvn_stats(stats, where, norm_vars)
     dim = stats.shape[1] - 1
     if feats.shape[1] != dim:
-        raise DataError(f"CMVN stats are for dimension {dim}, features have {feats.shape[1]}")
+        raise DataError(f"{where}: CMVN stats are for dimension {dim}, features have "
+                        f"{feats.shape[1]}")
     count = stats[0, dim]
     feats = np.asarray(feats, dtype=np.float32)
     if not norm_vars:
@@ -675,7 +705,7 @@ def apply_cmvn(feats: np.ndarray, stats: np.ndarray, norm_vars: bool = False) ->
     var = np.maximum(stats[1, :dim] / count - mean * mean, 1.0e-20)
     scale = 1.0 / np.sqrt(var)
     if not np.all(np.isfinite(scale)):
-        raise DataError("NaN or infinity in cepstral mean/variance computation")
+        raise DataError(f"{where}: NaN or infinity in cepstral mean/variance computation")
     offset = -(mean * scale)
     return feats * scale.astype(np.float32) + offset.astype(np.float32)
 
