@@ -45,7 +45,7 @@ def read_int_vectors(rspecifier: str, *, allow_pipes: bool = False) -> dict[str,
     """
     if not is_rspecifier(rspecifier):
         raise DataError(f"alignment {rspecifier!r} is not an rspecifier; write e.g. "
-                        f"'ark:{rspecifier}' or 'ark:gunzip -c {rspecifier} |'")
+                        f"'ark:{rspecifier}', or for Kaldi's ali.*.gz give ali_dir=<their dir>")
     _, target = split_rspecifier(rspecifier)
     if is_pipe(target) or target.strip() == "-":
         refuse_pipe(target, f"alignment rspecifier {rspecifier!r}", allow_pipes)
