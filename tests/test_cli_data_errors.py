@@ -88,3 +88,22 @@ def test_bad_data_exits_2(tmp_path, case):
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (out / "summary.json").exists() and not (out / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("table", ["feats.scp", "cmvn.scp"])
+def test_pipe_in_a_data_file_runs_nothing_and_exits_2(tmp_path, table):
+    folder = make_data_dir(tmp_path / "d", *small_corpus(), num_pdfs=5)
+    marker = tmp_path / "MARKER"
+    if table == "cmvn.scp":
+        (folder / "cmvn.scp").write_text(f"utt0 touch {marker} |\n")
+    else:
+        lines = (folder / "feats.scp").read_text().splitlines()
+        lines[1] = f"utt1 touch {marker} |"
+        (folder / "feats.scp").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    proc = _cli("train", "--data", str(folder), "--out", str(out), "--minibatch", "8",
+                "--context", "1", "--no-progress")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert f"{table} line" in proc.stderr and "is a pipe" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not marker.exists() and not (out / "events.jsonl").exists()

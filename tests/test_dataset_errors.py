@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
 import shutil
+import struct
 from pathlib import Path
 
 import kaldiio
 import numpy as np
 import pytest
 
+from labavg.data.alignment import read_ali_dir, read_int_vectors
 from labavg.data.dataset import open_dataset
+from labavg.data.transition import read_transition_model
 from labavg.errors import DataError
 
 
@@ -121,7 +125,8 @@ def test_truncated_ark(recipe, tmp_path):
     last = sorted(lines)[-1].split()[0]
     with pytest.raises(DataError, match=rf"feats.scp line 31 \(key '{last}'\).*truncated or corrupt"):
         open_dataset(folder, ali_dir="exp/mono0a")
-    with pytest.raises(DataError, match=rf"cut.ark byte \d+: cannot read .* '{last}'.*truncated"):
+    with pytest.raises(DataError, match=rf"cut.ark byte \d+ \(key '{last}'\): CM header says "
+                                         r"616 x 13 \(8133 bytes\) but only 8033 bytes are left"):
         open_dataset(f"ark:{tmp_path / 'cut.ark'}", ali_dir="exp/mono0a")
 
 
@@ -132,7 +137,8 @@ def test_corrupt_ark_header(tmp_path):
     at = raw.index(b"FM ", raw.index(b"utt1"))
     raw[at:at + 2] = b"XM"
     (folder / "feats.ark").write_bytes(bytes(raw))
-    with pytest.raises(DataError, match=r"line 2 \(key 'utt1'\).*corrupt.*Unexpected format: \"XM\""):
+    with pytest.raises(DataError, match=r"line 2 \(key 'utt1'\) at .*d/feats.ark byte \d+: "
+                                        r"unknown binary object type 'XM'"):
         open_dataset(folder)
 
 
@@ -223,24 +229,160 @@ def test_missing_alignment_dir_and_model(recipe, tmp_path):
         open_dataset("data/train_yesno", ali_dir=tmp_path)
 
 
-def test_missing_speaker_stats_and_stale_utt2num_frames(tmp_path):
+def test_missing_speaker_stats_fail_at_open(tmp_path):
     feats, pdfs = small_corpus()
     folder = make_data_dir(tmp_path / "d", feats, pdfs, num_pdfs=5)
     kaldiio.save_ark(str(folder / "cmvn.ark"), {"spkA": np.ones((2, 5))},
                      scp=str(folder / "cmvn.scp"))
     (folder / "utt2spk").write_text("utt0 spkA\nutt1 spkA\nutt2 spkB\n")
-    data = open_dataset(folder)
-    data.load("utt0")
-    with pytest.raises(DataError, match=r"no CMVN stats for 'spkB' \(speaker of 'utt2'"):
-        data.load("utt2")
-    (folder / "cmvn.scp").unlink()
-    (folder / "utt2num_frames").write_text("utt0 20\nutt1 99\nutt2 22\n")
-    with pytest.raises(DataError, match=r"'utt1': 99 feature frames .* but 21 alignment frames"):
+    # At open time, before any rank starts: not only on the rank that loads 'utt2'.
+    with pytest.raises(DataError, match=r"cmvn.scp: no CMVN stats for 'spkB' \(their speakers in "
+                                        r".*d/utt2spk\), needed by 1 utterance\(s\), e.g. 'utt2'"):
         open_dataset(folder)
+    (folder / "utt2spk").write_text("utt0 spkA\nutt1 spkA\nutt2 spkA\n")
+    assert open_dataset(folder).cmvn_applied
+    kaldiio.save_ark(str(folder / "cmvn.ark"), {"spkA": np.ones((2, 7))},
+                     scp=str(folder / "cmvn.scp"))
+    with pytest.raises(DataError, match=r"cmvn.scp line 1 \(key 'spkA'\): CMVN stats for 'spkA' "
+                                        r"are for dimension 6, the features have 4"):
+        open_dataset(folder)
+
+
+def test_stale_utt2num_frames_is_named_with_its_line(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs, num_pdfs=5)
+    (folder / "utt2num_frames").write_text("utt0 20\nutt1 99\nutt2 22\n")
+    # Named before the alignments are compared with it (which would blame them instead).
+    with pytest.raises(DataError, match=r"d/utt2num_frames line 2: 'utt1' has 99 frames, but its "
+                                        r"feature matrix \(.*feats.scp line 2 \(key 'utt1'\)\) "
+                                        r"has 21 rows; the file is stale"):
+        open_dataset(folder)
+    # Text matrices have no header to check at open time: the load names the file and line.
+    text = tmp_path / "t"
+    text.mkdir()
+    kaldiio.save_ark(str(text / "feats.ark"), feats, scp=str(text / "feats.scp"), text=True)
     pdfs["utt1"] = np.zeros(99, np.int64)
-    kaldiio.save_ark(str(folder / "pdf_ali.ark"),
+    kaldiio.save_ark(str(text / "pdf_ali.ark"),
                      {k: np.asarray(v, dtype=np.int32) for k, v in pdfs.items()})
-    data = open_dataset(folder)
+    (text / "num_pdfs").write_text("5\n")
+    (text / "utt2num_frames").write_text("utt0 20\nutt1 99\nutt2 22\n")
+    data = open_dataset(text)
     assert data.num_frames["utt1"] == 99
-    with pytest.raises(DataError, match=r"key 'utt1'\): 21 frames, but 99 were expected"):
+    data.load("utt0")
+    with pytest.raises(DataError, match=r"feats.scp line 2 \(key 'utt1'\): 21 frames, but "
+                                        r".*t/utt2num_frames line 2 says 99"):
         data.load("utt1")
+
+
+# ------------------------------------------------------------------ corrupt headers and bytes
+
+
+def copy_recipe(shared_data: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "yesno"
+    shutil.copytree(shared_data / "kaldi-yesno", root)
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return root
+
+
+def test_huge_matrix_header_is_refused_before_reading(shared_data, tmp_path, monkeypatch):
+    """A CM header saying 2**31-1 rows asked kaldiio for ~144 GB; now the file size says no."""
+    root = copy_recipe(shared_data, tmp_path)
+    monkeypatch.chdir(root)
+    ark = root / "mfcc/raw_mfcc_train_yesno.1.ark"
+    raw = bytearray(ark.read_bytes())
+    at = 8386  # the second utterance's object (data/train_yesno/feats.scp line 2)
+    assert raw[at:at + 5] == b"\0BCM "
+    raw[at + 13:at + 17] = struct.pack("<i", 0x7FFFFFFF)  # GlobalHeader rows
+    ark.write_bytes(bytes(raw))
+    left = len(raw) - at
+    expected = (rf"feats.scp line 2 \(key '0_0_0_1_0_0_0_1'\) at mfcc/raw_mfcc_train_yesno.1.ark "
+                rf"byte 8386: CM header says 2147483647 x 13 \(\d+ bytes\) but only {left} bytes")
+    with pytest.raises(DataError, match=expected):
+        open_dataset("data/train_yesno", ali_dir="exp/mono0a")
+    with pytest.raises(DataError, match=r"raw_mfcc_train_yesno.1.ark byte 8386 \(key "
+                                        r"'0_0_0_1_0_0_0_1'\): CM header says 2147483647 x 13"):
+        open_dataset("ark:mfcc/raw_mfcc_train_yesno.1.ark", ali_dir="exp/mono0a")
+    raw[at + 13:at + 17] = struct.pack("<i", -3)
+    ark.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"byte 8386: corrupt CM header: negative size -3 x 13"):
+        open_dataset("data/train_yesno", ali_dir="exp/mono0a")
+
+
+def test_float_matrix_and_int_vector_sizes_are_checked(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs)
+    raw = bytearray((folder / "feats.ark").read_bytes())
+    at = raw.index(b"FM ", raw.index(b"utt1"))  # then \4 rows \4 cols
+    assert raw[at + 3] == raw[at + 8] == 4
+    raw[at + 9:at + 13] = struct.pack("<i", 1 << 28)
+    (folder / "feats.ark").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"line 2 \(key 'utt1'\) at .*feats.ark byte \d+: FM header "
+                                        r"says 21 x 268435456 \(\d+ bytes\) but only \d+ bytes"):
+        open_dataset(folder)
+    ali = bytearray((folder / "pdf_ali.ark").read_bytes())
+    at = ali.index(b"\0B\4", ali.index(b"utt2"))
+    ali[at + 3:at + 7] = struct.pack("<i", 1 << 30)
+    (folder / "pdf_ali.ark").write_bytes(bytes(ali))
+    with pytest.raises(DataError, match=r"pdf_ali.ark byte \d+ \(key 'utt2'\): IV header says "
+                                        r"1073741824 \(5368709127 bytes\) but only 117 bytes"):
+        read_int_vectors(f"ark:{folder / 'pdf_ali.ark'}")
+
+
+def test_corrupt_and_truncated_gzip_alignments(shared_data, tmp_path):
+    root = copy_recipe(shared_data, tmp_path)
+    ali = root / "exp/mono0a/ali.1.gz"
+    data = ali.read_bytes()
+    ali.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"ali.1.gz: not a readable gzip file \(truncated or "
+                                        r"corrupt\?\): Compressed file ended"):
+        read_ali_dir(root / "exp/mono0a")
+    corrupt = bytearray(data)
+    corrupt[len(data) // 2] ^= 0xFF
+    ali.write_bytes(bytes(corrupt))
+    with pytest.raises(DataError, match=r"ali.1.gz: not a readable gzip file"):
+        read_ali_dir(root / "exp/mono0a")
+    text = gzip.decompress(data).replace(b"0_0_1_0_1_0_0_0 ", b"0_0_1\xff1_0_0_0 ", 1)
+    ali.write_bytes(gzip.compress(text))
+    with pytest.raises(DataError, match=r"ali.1.gz \(decompressed\) byte \d+: unreadable key "
+                                        r"b'0_0_1\\xff1_0_0_0'"):
+        read_ali_dir(root / "exp/mono0a")
+
+
+def test_model_with_a_huge_vector_length_is_refused(shared_data, tmp_path):
+    model = bytearray((shared_data / "kaldi-yesno/exp/mono0a/final.mdl").read_bytes())
+    at = model.index(b"<Topology> ") + len(b"<Topology> ")
+    assert model[at] == 4  # the phones vector: size byte, then its length
+    model[at + 1:at + 5] = struct.pack("<i", 400_000_000)
+    (tmp_path / "final.mdl").write_bytes(bytes(model))
+    with pytest.raises(DataError, match=r"final.mdl byte \d+: a size in the file asks for "
+                                        r"1600000000 bytes, only \d+ are left"):
+        read_transition_model(tmp_path / "final.mdl")
+
+
+def test_undecodable_text_files_name_file_and_line(shared_data, tmp_path, monkeypatch):
+    root = copy_recipe(shared_data, tmp_path)
+    monkeypatch.chdir(root)
+    utt2spk = root / "data/train_yesno/utt2spk"
+    lines = utt2spk.read_bytes().split(b"\n")
+    lines[3] = lines[3].replace(b"global", b"glob\xe9l")
+    utt2spk.write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError, match=r"data/train_yesno/utt2spk line 4: not valid UTF-8 "
+                                        r"\(invalid continuation byte at byte \d+ of the line"):
+        open_dataset("data/train_yesno", ali_dir="exp/mono0a")
+    feats_scp = root / "data/train_yesno/feats.scp"
+    feats_scp.write_bytes(feats_scp.read_bytes().replace(b"0_0_0_1_0_0_0_1", b"0_0_0_1\xc0", 1))
+    with pytest.raises(DataError, match=r"data/train_yesno/feats.scp line 2: not valid UTF-8"):
+        open_dataset("data/train_yesno", ali_dir="exp/mono0a")
+
+
+def test_kaldiio_multi_line_messages_become_one_line(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs)
+    # A text ark whose first value is not a number: kaldiio says "...is not a digit\nFile format..."
+    (folder / "feats.ark").write_bytes(b"utt0 [ x1 2\n 3 4 ]\n")
+    (folder / "feats.scp").write_text(f"utt0 {folder / 'feats.ark'}:5\n")
+    with pytest.raises(DataError) as info:
+        open_dataset(folder, skip_mismatched=True)
+    assert "\n" not in str(info.value) and "File format is wrong" in str(info.value)
+    assert "feats.scp line 1 (key 'utt0')" in str(info.value)

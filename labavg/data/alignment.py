@@ -10,12 +10,13 @@ import gzip
 import io
 import re
 import shutil
+import zlib
 from pathlib import Path
 
-import kaldiio
 import numpy as np
 
-from labavg.data.kaldi import READ_ERRORS, is_pipe, is_rspecifier, split_rspecifier
+from labavg.data.kaldi import (is_pipe, is_rspecifier, iter_ark, iter_table, one_line,
+                               refuse_pipe, split_rspecifier)
 from labavg.data.transition import TransitionModel, read_transition_model
 from labavg.errors import DataError
 
@@ -33,35 +34,30 @@ def as_int_vector(value: object, where: str) -> np.ndarray:
     return array.astype(np.int32)
 
 
-def read_int_vectors(rspecifier: str) -> dict[str, np.ndarray]:
+def read_int_vectors(rspecifier: str, *, allow_pipes: bool = False) -> dict[str, np.ndarray]:
     """Read a table of int vectors: `ark:ali.ark`, `ark,t:...`, `scp:...`, `ark:cmd |`.
 
-    Pipes are run by kaldiio through the shell, as Kaldi does. A pipe that calls a
-    Kaldi binary (e.g. `| ali-to-pdf ...`) needs Kaldi on PATH; without it this raises
-    DataError and suggests `ali_dir`, which maps transition ids without Kaldi.
+    Pipes (`ark:cmd |`, `scp:cmd |`, or pipe lines in the scp) run through the shell,
+    as in Kaldi, and only with allow_pipes=True; otherwise they raise DataError. A pipe
+    that calls a Kaldi binary (e.g. `| ali-to-pdf ...`) needs Kaldi on PATH; without
+    it this raises DataError and suggests `ali_dir`, which maps transition ids without
+    Kaldi.
     """
     if not is_rspecifier(rspecifier):
         raise DataError(f"alignment {rspecifier!r} is not an rspecifier; write e.g. "
-                        f"'ark:{rspecifier}' or 'ark:gunzip -c {rspecifier} |'")
-    kind, target = split_rspecifier(rspecifier)
-    if is_pipe(target):
+                        f"'ark:{rspecifier}', or for Kaldi's ali.*.gz give ali_dir=<their dir>")
+    _, target = split_rspecifier(rspecifier)
+    if is_pipe(target) or target.strip() == "-":
+        refuse_pipe(target, f"alignment rspecifier {rspecifier!r}", allow_pipes)
         check_pipe_commands(target)
     elif not Path(target).is_file():
         raise DataError(f"alignment file not found: {target} (looked in {Path.cwd()})")
     result: dict[str, np.ndarray] = {}
-    try:
-        # Options such as ,t only matter to Kaldi's writer; kaldiio detects text itself.
-        with kaldiio.ReadHelper(f"{kind}:{target}") as reader:
-            for key, value in reader:
-                if key in result:
-                    raise DataError(f"{target}: alignment key {key!r} appears twice")
-                result[key] = as_int_vector(value, f"{target} key {key!r}")
-    except DataError:
-        raise
-    except READ_ERRORS as exc:
-        last = f" after key {list(result)[-1]!r}" if result else ""
-        raise DataError(f"{target}: cannot read the alignment table{last} "
-                        f"(truncated or corrupt?): {exc}") from exc
+    # Options such as ,t only matter to Kaldi's writer; the reader detects text itself.
+    for key, value, where in iter_table(rspecifier, allow_pipes=allow_pipes):
+        if key in result:
+            raise DataError(f"{where}: alignment key {key!r} appears twice")
+        result[key] = as_int_vector(value, where)
     if is_pipe(target) and not result:
         raise DataError(f"the pipe {target!r} produced no alignments (did the command fail?)")
     return result
@@ -78,21 +74,18 @@ def check_pipe_commands(pipe: str) -> None:
 
 
 def read_gzip_ark(path: Path) -> dict[str, np.ndarray]:
-    """Read one `ali.N.gz` (text or binary int-vector ark) with gzip + kaldiio."""
+    """Read one `ali.N.gz` (text or binary int-vector ark): gzip, then the checked ark reader."""
     try:
+        # In memory: the reader seeks backwards, which gzip streams only do by re-reading.
         data = gzip.decompress(path.read_bytes())
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: not a readable gzip file (truncated?): {exc}") from exc
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable gzip file (truncated or corrupt?): "
+                        f"{one_line(exc)}") from exc
     result: dict[str, np.ndarray] = {}
-    try:
-        # In memory: kaldiio seeks backwards, which gzip streams only do by re-reading.
-        for key, value in kaldiio.load_ark(io.BytesIO(data)):
-            result[key] = as_int_vector(value, f"{path} key {key!r}")
-    except DataError:
-        raise
-    except READ_ERRORS as exc:
-        last = f" after key {list(result)[-1]!r}" if result else ""
-        raise DataError(f"{path}: corrupt alignment ark{last}: {exc}") from exc
+    for key, value, entry in iter_ark(io.BytesIO(data), len(data), f"{path} (decompressed)"):
+        if key in result:
+            raise DataError(f"{path}: alignment key {key!r} appears twice")
+        result[key] = as_int_vector(value, f"{path} key {key!r}")
     return result
 
 

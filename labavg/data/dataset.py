@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from labavg.data.alignment import as_int_vector, read_ali_dir, read_int_vectors
-from labavg.data.kaldi import CmvnTable, MatrixTable, apply_cmvn, is_rspecifier
+from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier,
+                               read_text_lines)
 from labavg.data.textgrid import (build_phone_table, count_frames, read_phone_intervals,
                                   read_phone_table, textgrid_labels)
 from labavg.errors import DataError
@@ -54,6 +55,7 @@ class KaldiUtterances:
     num_pdfs_source: str = ""
     dropped_keys: list[str] = field(default_factory=list)
     unused_alignment_keys: list[str] = field(default_factory=list)
+    frames_from: dict[str, str] = field(default_factory=dict)
 
     @property
     def cmvn_applied(self) -> bool:
@@ -66,10 +68,17 @@ class KaldiUtterances:
             raise DataError(f"utterance {key!r} is not in this data set")
         feats = load_checked(self.features, key, self.feat_dim)
         if feats.shape[0] != self.num_frames[key]:
+            said = self.frames_from.get(key, "the features when the data set was opened")
             raise DataError(f"{self.features.where(key)}: {feats.shape[0]} frames, but "
-                            f"{self.num_frames[key]} were expected (stale utt2num_frames?)")
+                            f"{said} says {self.num_frames[key]} (stale utt2num_frames, or "
+                            "features rewritten since?)")
         if self.cmvn is not None:
-            feats = apply_cmvn(feats, self.cmvn.stats_for(key), self.norm_vars)
+            spk = self.cmvn.speaker_of(key)
+            where = self.cmvn.where.get(spk, self.cmvn.source)
+            feats = apply_cmvn(feats, self.cmvn.stats_for(key), self.norm_vars, where)
+            if not np.all(np.isfinite(feats)):
+                raise DataError(f"{where}: the CMVN stats for {spk!r} turn utterance {key!r} "
+                                "into NaN or Inf")
         return feats, self.pdfs[key].astype(np.int64)
 
 
@@ -105,19 +114,20 @@ def open_features(data: PathLike) -> tuple[MatrixTable, Path | None]:
                     f"rspecifier such as scp:data/train/feats.scp (looked in {Path.cwd()})")
 
 
-def open_cmvn(data_dir: Path | None, cmvn: PathLike | None) -> CmvnTable | None:
+def open_cmvn(data_dir: Path | None, cmvn: PathLike | None, allow_pipes: bool = False
+              ) -> CmvnTable | None:
     """CMVN stats: the explicit `cmvn` source, else the data dir's cmvn.scp (+ utt2spk)."""
     utt2spk = data_dir / "utt2spk" if data_dir is not None else None
     if cmvn is not None:
-        return CmvnTable.open(str(cmvn), utt2spk)
+        return CmvnTable.open(str(cmvn), utt2spk, allow_pipes=allow_pipes)
     if data_dir is not None and (data_dir / "cmvn.scp").is_file():
-        return CmvnTable.open(f"scp:{data_dir / 'cmvn.scp'}", utt2spk)
+        return CmvnTable.open(f"scp:{data_dir / 'cmvn.scp'}", utt2spk, allow_pipes=allow_pipes)
     return None
 
 
 def read_num_pdfs_file(path: Path) -> int:
     """The integer in a data dir's `num_pdfs` file."""
-    text = path.read_text(encoding="utf-8").strip()
+    text = " ".join(line for _, line in read_text_lines(path)).strip()
     try:
         value = int(text)
     except ValueError:
@@ -127,16 +137,16 @@ def read_num_pdfs_file(path: Path) -> int:
     return value
 
 
-def read_utt2num_frames(path: Path) -> dict[str, int]:
-    """A Kaldi `utt2num_frames` file."""
-    counts: dict[str, int] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+def read_utt2num_frames(path: Path) -> dict[str, tuple[int, int]]:
+    """A Kaldi `utt2num_frames` file: {utt: (frames, line number)}."""
+    counts: dict[str, tuple[int, int]] = {}
+    for number, line in read_text_lines(path):
         parts = line.split()
         if not parts:
             continue
         if len(parts) != 2 or not parts[1].isdigit():
             raise DataError(f"{path} line {number}: expected '<utt> <num-frames>', got {line!r}")
-        counts[parts[0]] = int(parts[1])
+        counts[parts[0]] = (int(parts[1]), number)
     return counts
 
 
@@ -156,27 +166,45 @@ def textgrid_paths(textgrid: PathLike | dict, feature_keys: list[str]) -> dict[s
 
 
 def count_all_frames(features: MatrixTable, keys: list[str], data_dir: Path | None
-                     ) -> tuple[dict[str, int], int]:
-    """Frame counts and feature dim: from utt2num_frames / the ark index, else one pass.
+                     ) -> tuple[dict[str, int], int, dict[str, str]]:
+    """Frame counts, feature dim and where each count came from.
 
-    The pass loads each utterance once and also checks NaN/Inf and dims.
+    From utt2num_frames when the data dir has one: each count is compared with the
+    matrix header's row count (read for every binary matrix when the table was
+    opened), and every header's dimension with the first utterance's, so a stale
+    file or a stray matrix fails here. Otherwise one pass loads each utterance once
+    and also checks NaN/Inf and dims.
     """
     counts_file = data_dir / "utt2num_frames" if data_dir is not None else None
     if counts_file is not None and counts_file.is_file():
-        counts = read_utt2num_frames(counts_file)
-        missing = [k for k in keys if k not in counts]
+        listed = read_utt2num_frames(counts_file)
+        missing = [k for k in keys if k not in listed]
         if missing:
             raise DataError(f"{counts_file}: no frame count for {len(missing)} utterance(s): "
                             f"{list_first(missing)}")
         feat_dim = load_checked(features, keys[0], None).shape[1]
-        return {k: counts[k] for k in keys}, feat_dim
+        for key in keys:
+            frames, line = listed[key]
+            shape = features.shapes.get(key)
+            if shape is None:
+                continue
+            if shape[0] != frames:
+                raise DataError(f"{counts_file} line {line}: {key!r} has {frames} frames, but "
+                                f"its feature matrix ({features.where(key)}) has {shape[0]} "
+                                "rows; the file is stale: regenerate it "
+                                "(utils/data/get_utt2num_frames.sh) or delete it")
+            if shape[1] != feat_dim:
+                raise DataError(f"{features.where(key)}: feature dimension {shape[1]} differs "
+                                f"from {feat_dim} (the first utterance's)")
+        frames_from = {k: f"{counts_file} line {listed[k][1]}" for k in keys}
+        return {k: listed[k][0] for k in keys}, feat_dim, frames_from
     counts: dict[str, int] = {}
     feat_dim: int | None = None
     for key in keys:
         feats = load_checked(features, key, feat_dim)
         feat_dim = feats.shape[1]
         counts[key] = int(feats.shape[0])
-    return counts, int(feat_dim)
+    return counts, int(feat_dim), {}
 
 
 def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | None = None,
@@ -184,7 +212,7 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
                  norm_vars: bool = False, skip_mismatched: bool = False,
                  cmvn: PathLike | None = None, num_pdfs: int | None = None,
                  phone_table: list[str] | PathLike | None = None,
-                 snip_edges: bool = True) -> KaldiUtterances:
+                 snip_edges: bool = True, allow_pipes: bool = False) -> KaldiUtterances:
     """Open Kaldi features with pdf alignments; run from the recipe dir, as Kaldi does.
 
     data: a data dir (feats.scp; optional cmvn.scp, utt2spk, utt2num_frames,
@@ -203,9 +231,16 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
     Key mismatches between features and alignments raise DataError, or with
       skip_mismatched=True keep the common keys and record the rest in
       `dropped_keys` / `unused_alignment_keys`.
+    allow_pipes: run the shell commands of pipe rxfilenames (`ark:gunzip -c ali.gz |`,
+      `KEY cmd |` lines) in alignment and CMVN sources; without it any pipe raises
+      DataError. Feature pipes are refused either way (features are read lazily).
+    Whatever is cheap to check for every utterance is checked here, before training
+      starts: each scp target exists, each binary matrix header fits its file (and
+      matches utt2num_frames), each utterance's speaker has CMVN stats of the right
+      dimension, frame counts and pdf ids match.
     """
     features, data_dir = open_features(data)
-    stats = open_cmvn(data_dir, cmvn) if apply_cmvn else None
+    stats = open_cmvn(data_dir, cmvn, allow_pipes) if apply_cmvn else None
 
     sources = [name for name, value in (("ali", ali), ("ali_dir", ali_dir),
                                         ("textgrid", textgrid)) if value is not None]
@@ -219,7 +254,7 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
         pdfs, model = read_ali_dir(ali_dir)
         num_pdfs, pdf_source = model.num_pdfs, f"{Path(ali_dir) / 'final.mdl'}"
     elif ali is not None:
-        pdfs = read_int_vectors(str(ali))
+        pdfs = read_int_vectors(str(ali), allow_pipes=allow_pipes)
     elif textgrid is not None:
         labels_from = textgrid_paths(textgrid, features.keys)
         if isinstance(phone_table, (str, os.PathLike)):
@@ -264,7 +299,9 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
         raise DataError(f"empty data set: no utterance of {data} has both features and an "
                         f"alignment in {ali_name}")
 
-    num_frames, feat_dim = count_all_frames(features, keys, data_dir)
+    num_frames, feat_dim, frames_from = count_all_frames(features, keys, data_dir)
+    if stats is not None:
+        stats.check_covers(keys, feat_dim)
     if labels_from is not None:
         pdfs = {}
         for key in keys:
@@ -300,4 +337,4 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
         keys=keys, num_frames=num_frames, feat_dim=feat_dim, num_pdfs=int(num_pdfs),
         features=features, pdfs={k: pdfs[k] for k in keys}, cmvn=stats, norm_vars=norm_vars,
         num_pdfs_source=pdf_source, dropped_keys=missing if skip_mismatched else [],
-        unused_alignment_keys=extra if skip_mismatched else [])
+        unused_alignment_keys=extra if skip_mismatched else [], frames_from=frames_from)

@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 from praatio import textgrid as praat_textgrid
 
+from labavg.data.kaldi import one_line, read_text_lines
 from labavg.errors import DataError
 
 FRAME_SHIFT = 0.01
 FRAME_LENGTH = 0.025
+# A day: far longer than any utterance, far shorter than a corrupt exponent.
+MAX_DURATION = 86400.0
 
 
 def read_phone_intervals(path: str | Path, tier: str = "phones"
@@ -29,7 +32,7 @@ def read_phone_intervals(path: str | Path, tier: str = "phones"
     try:
         grid = praat_textgrid.openTextgrid(str(path), includeEmptyIntervals=False)
     except Exception as exc:  # praatio raises many types on malformed files
-        raise DataError(f"{path}: cannot parse the TextGrid: {exc}") from exc
+        raise DataError(f"{path}: cannot parse the TextGrid: {one_line(exc)[:300]}") from exc
     if tier not in grid.tierNames:
         raise DataError(f"{path}: no tier named {tier!r}; tiers are {list(grid.tierNames)}")
     entries = grid.getTier(tier).entries
@@ -37,7 +40,15 @@ def read_phone_intervals(path: str | Path, tier: str = "phones"
                  if len(e) == 3]
     if len(intervals) != len(entries):
         raise DataError(f"{path}: tier {tier!r} is a point tier, expected an interval tier")
-    return [iv for iv in intervals if iv[2]], float(grid.maxTimestamp)
+    duration = float(grid.maxTimestamp)
+    # Frame counts come from these times; a corrupt number must not become a huge count.
+    if not (math.isfinite(duration) and 0 <= duration < MAX_DURATION):
+        raise DataError(f"{path}: end time {duration} is not a plausible duration in seconds")
+    for start, end, label in intervals:
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start <= end <= duration):
+            raise DataError(f"{path}: tier {tier!r} interval {label!r} has times {start}..{end}, "
+                            f"outside 0..{duration}")
+    return [iv for iv in intervals if iv[2]], duration
 
 
 def count_frames(duration: float, snip_edges: bool = True, frame_shift: float = FRAME_SHIFT,
@@ -82,7 +93,8 @@ def textgrid_labels(path: str | Path, *, tier: str = "phones",
             raise DataError(f"{path}: tier {tier!r} interval at {start:.3f}s has label "
                             f"{label!r}, which is not in the phone table")
     if silence_label not in index:
-        raise DataError(f"silence label {silence_label!r} is not in the phone table")
+        raise DataError(f"silence label {silence_label!r} is not in the phone table used for "
+                        f"{path}")
     if num_frames is None:
         num_frames = count_frames(duration, snip_edges, frame_shift, frame_length)
     centres = frame_centres(num_frames, snip_edges, frame_shift, frame_length)
@@ -102,11 +114,11 @@ def read_phone_table(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"phone table not found: {path}")
-    rows = [line.split() for line in path.read_text(encoding="utf-8").splitlines() if line.split()]
-    if all(len(row) == 1 for row in rows):
-        return [row[0] for row in rows]
+    rows = [(number, line.split()) for number, line in read_text_lines(path) if line.split()]
+    if all(len(row) == 1 for _, row in rows):
+        return [row[0] for _, row in rows]
     table: dict[int, str] = {}
-    for number, row in enumerate(rows, start=1):
+    for number, row in rows:
         if len(row) != 2 or not row[1].lstrip("-").isdigit():
             raise DataError(f"{path} line {number}: expected '<phone>' or '<phone> <id>'")
         table[int(row[1])] = row[0]

@@ -15,6 +15,7 @@ self_loop_pdf, else forward_pdf. The old `<Triples>` form has one pdf for both.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
+from labavg.data.kaldi import one_line
 from labavg.errors import DataError
 
 NO_PDF = -1  # kNoPdf in hmm/hmm-topology.h: the non-emitting final state
@@ -78,6 +80,16 @@ class TransitionModel:
         self._compute_derived()
 
     def _compute_derived(self) -> None:
+        if not self.tuples:
+            raise DataError("TransitionModel: no transition states (corrupt model?)")
+        for index in self.topology.phone2idx:
+            if not -1 <= index < len(self.topology.entries):
+                raise DataError(f"TransitionModel: topology entry {index} of a phone is out of "
+                                f"range 0..{len(self.topology.entries) - 1} (corrupt model?)")
+        for tstate, tup in enumerate(self.tuples, start=1):
+            if min(tup.forward_pdf, tup.self_loop_pdf) < 0:
+                raise DataError(f"TransitionModel: transition state {tstate} has a negative pdf "
+                                f"id ({tup.forward_pdf}, {tup.self_loop_pdf}; corrupt model?)")
         pdfs, phones, states, loops, tstates = [NO_PDF], [-1], [-1], [False], [0]
         for tstate, tup in enumerate(self.tuples, start=1):
             entry = self.topology.for_phone(tup.phone)
@@ -97,6 +109,11 @@ class TransitionModel:
         self.tid_is_self_loop = np.asarray(loops, dtype=bool)
         self.tid_to_tstate = np.asarray(tstates, dtype=np.int64)
         self.num_pdfs = 1 + max(max(t.forward_pdf, t.self_loop_pdf) for t in self.tuples)
+        # Every pdf of a model belongs to some transition state, each of which has at most
+        # two: more pdf ids than that means a corrupt id (and an absurdly wide output layer).
+        if self.num_pdfs > 2 * len(self.tuples):
+            raise DataError(f"TransitionModel: largest pdf id {self.num_pdfs - 1} but only "
+                            f"{len(self.tuples)} transition states (corrupt model?)")
         if self.log_probs.size not in (0, len(pdfs)):
             raise DataError(f"TransitionModel: {self.log_probs.size} log-probs for "
                             f"{len(pdfs) - 1} transition ids (expected one more than the ids)")
@@ -124,15 +141,21 @@ class TransitionModel:
 class _BinaryReader:
     """Kaldi basic binary I/O (base/io-funcs.h): tokens end in a space, ints are size-prefixed."""
 
-    def __init__(self, handle: BinaryIO, name: str):
+    def __init__(self, handle: BinaryIO, name: str, end: int):
         self.handle = handle
         self.name = name
+        self.end = end
 
     def fail(self, what: str) -> DataError:
         return DataError(f"{self.name} byte {self.handle.tell()}: {what} (truncated or not a "
                          "Kaldi model?)")
 
     def read(self, size: int) -> bytes:
+        # Sizes come from the file: check them against what is left before reading
+        # (allocating) that much, so a flipped byte cannot ask for gigabytes.
+        left = self.end - self.handle.tell()
+        if size > left:
+            raise self.fail(f"a size in the file asks for {size} bytes, only {left} are left")
         data = self.handle.read(size)
         if len(data) != size:
             raise self.fail(f"unexpected end of file reading {size} bytes")
@@ -211,8 +234,8 @@ def _read_binary_topology(reader: _BinaryReader) -> tuple[Topology, bool]:
     return Topology(tuple(phones), tuple(phone2idx), tuple(entries)), is_hmm
 
 
-def _read_binary(handle: BinaryIO, name: str) -> TransitionModel:
-    reader = _BinaryReader(handle, name)
+def _read_binary(handle: BinaryIO, name: str, end: int) -> TransitionModel:
+    reader = _BinaryReader(handle, name, end)
     reader.expect("<TransitionModel>")
     topology, _ = _read_binary_topology(reader)
     kind = reader.token()
@@ -262,9 +285,12 @@ class _TextReader:
     def int32(self) -> int:
         text = self.token()
         try:
-            return int(text)
+            value = int(text)
         except ValueError:
             raise DataError(f"{self.name}: expected an integer, got {text!r}") from None
+        if not -(1 << 31) <= value < (1 << 31):
+            raise DataError(f"{self.name}: integer {text[:30]!r} does not fit in 32 bits")
+        return value
 
     def float32(self) -> float:
         text = self.token()
@@ -274,7 +300,7 @@ class _TextReader:
             raise DataError(f"{self.name}: expected a number, got {text!r}") from None
 
 
-def _read_text_topology(reader: _TextReader) -> Topology:
+def _read_text_topology(reader: _TextReader, max_phone: int) -> Topology:
     """HmmTopology::Read text form: <TopologyEntry> <ForPhones> ... <State> ... entries."""
     reader.expect("<Topology>")
     entries: list[tuple[HmmState, ...]] = []
@@ -287,9 +313,15 @@ def _read_text_topology(reader: _TextReader) -> Topology:
         entry_phones = []
         while (token := reader.token()) != "</ForPhones>":
             try:
-                entry_phones.append(int(token))
+                phone = int(token)
             except ValueError:
                 raise DataError(f"{reader.name}: expected a phone id, got {token!r}") from None
+            # phone2idx gets one slot per id up to the largest: bound it by what a file
+            # this size could list, so a corrupt digit cannot ask for gigabytes.
+            if not 0 <= phone <= max_phone:
+                raise DataError(f"{reader.name}: phone id {token[:30]} is out of range "
+                                f"0..{max_phone} (corrupt topology?)")
+            entry_phones.append(phone)
         states: list[HmmState] = []
         token = reader.token()
         while token != "</TopologyEntry>":
@@ -324,10 +356,10 @@ def _read_text_topology(reader: _TextReader) -> Topology:
     return Topology(tuple(sorted(phones)), tuple(phone2idx), tuple(entries))
 
 
-def _read_text(handle: BinaryIO, name: str) -> TransitionModel:
+def _read_text(handle: BinaryIO, name: str, end: int) -> TransitionModel:
     reader = _TextReader(_text_tokens(handle), name)
     reader.expect("<TransitionModel>")
-    topology = _read_text_topology(reader)
+    topology = _read_text_topology(reader, max_phone=end)
     kind = reader.token()
     if kind not in ("<Triples>", "<Tuples>"):
         raise DataError(f"{name}: expected <Triples> or <Tuples>, got {kind!r}")
@@ -356,9 +388,18 @@ def read_transition_model(path: str | Path) -> TransitionModel:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"model file not found: {path}")
-    with open(path, "rb") as handle:
-        head = handle.read(2)
-        if head == b"\0B":
-            return _read_binary(handle, str(path))
-        handle.seek(0)
-        return _read_text(handle, str(path))
+    try:
+        with open(path, "rb") as handle:
+            end = os.fstat(handle.fileno()).st_size
+            head = handle.read(2)
+            if head == b"\0B":
+                return _read_binary(handle, str(path), end)
+            handle.seek(0)
+            return _read_text(handle, str(path), end)
+    except DataError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise DataError(f"{path}: {exc}") from exc
+    except (ValueError, IndexError, OverflowError, struct.error, OSError) as exc:
+        # A last line of defence: whatever the checks above missed is still corrupt input.
+        raise DataError(f"{path}: corrupt TransitionModel: {one_line(exc)}") from exc
