@@ -310,7 +310,7 @@ def open_source(cfg: TrainConfig, allow_pipes: bool = False):
     return open_dataset(
         cfg.data.data, ali=cfg.data.ali, ali_dir=cfg.data.ali_dir, textgrid=cfg.data.textgrid,
         apply_cmvn=cfg.data.apply_cmvn, norm_vars=cfg.data.norm_vars,
-        skip_mismatched=cfg.data.skip_mismatched, **({"allow_pipes": True} if allow_pipes else {}),
+        skip_mismatched=cfg.data.skip_mismatched, allow_pipes=allow_pipes,
     )
 
 
