@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labavg.errors import UserError, one_line, user_error_of
+from labavg.errors import PeerFailed, UserError, one_line, user_error_of
 
 # CLI flag -> dotted TrainConfig key. Only flags the user gave override the config file.
 TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -218,10 +218,16 @@ def train_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from labavg.comm.world import detect_launcher, mpiexec_command
+    from labavg.comm.world import detect_launcher, launcher_rank, mpiexec_command
     from labavg.runs import format_table, run_training
 
-    cfg = train_config(args)
+    try:
+        cfg = train_config(args)
+    except UserError as exc:
+        if detect_launcher() is not None and launcher_rank() > 0:
+            # Every rank parses the same flags and files: rank 0 alone says what is wrong.
+            raise PeerFailed(str(exc)) from None
+        raise
     resume = bool(args.resume)
     if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
         # Start mpiexec ourselves; the ranks see the launcher and train.
@@ -427,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         user = user_error_of(exc)
         if user is None:
+            from labavg.comm.inproc import CollectiveTimeout
+            from labavg.watchdog import EXIT_WATCHDOG
+
+            cause = getattr(exc, "exc", None)
+            if isinstance(cause, CollectiveTimeout):  # an in-process worker went silent
+                print(f"labavg: error: {one_line(cause)}; ending the run", file=sys.stderr)
+                return EXIT_WATCHDOG
             raise
         if not getattr(user, "quiet", False):  # a PeerFailed: another rank printed the message
             print(f"labavg: error: {one_line(user)}", file=sys.stderr)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.checkpoint import atomic_write_text, latest_step, remove_orphans
+from labavg.comm.world import launcher_rank
 from labavg.config import TrainConfig, config_from_dict, to_dict
 from labavg.errors import UserError, one_line
 from labavg.watchdog import HEARTBEAT_DIR
@@ -123,14 +124,6 @@ def _read_json_or_none(path: Path) -> Any:
         return None
 
 
-def _launcher_rank() -> int:
-    """This process's rank as its launcher set it (0 outside a launcher)."""
-    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
-
-
 @contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the life of the job, so that a second job cannot write there.
@@ -142,7 +135,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """
     run_dir = Path(run_dir)
     resolved = str(run_dir.resolve())
-    if os.environ.get(LOCK_HELD_ENV) == resolved or _launcher_rank() != 0:
+    if os.environ.get(LOCK_HELD_ENV) == resolved or launcher_rank() != 0:
         yield
         return
     if run_dir.exists() and not run_dir.is_dir():
@@ -356,7 +349,7 @@ def run_training(
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
-        if resume and _launcher_rank() == 0:
+        if resume and launcher_rank() == 0:
             remove_orphans(run_dir)
         opened: dict[str, Any] = {}
 

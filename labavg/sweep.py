@@ -55,11 +55,14 @@ class Sweep:
             keys = list(grid)
             for values in itertools.product(*(grid[k] for k in keys)):
                 overrides = dict(zip(keys, values))
-                identity = repr(sorted(to_dict(with_overrides(self.base, overrides)).items()))
+                name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
+                try:
+                    identity = repr(sorted(to_dict(with_overrides(self.base, overrides)).items()))
+                except UserError as exc:
+                    raise UserError(f"grid point {name}: {exc}") from None
                 if identity in seen:
                     continue
                 seen.add(identity)
-                name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
                 out.append((name, overrides))
         return out
 
@@ -68,9 +71,12 @@ def load_sweep(path: str | Path) -> Sweep:
     """Parse and check a sweep file; every point must be a valid configuration."""
     path = Path(path)
     try:
-        values = tomllib.loads(path.read_text())
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UserError(f"cannot read sweep file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 (byte {exc.object[exc.start]:#04x} at offset "
+                        f"{exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: not valid TOML: {exc}") from None
     unknown = set(values) - {"base", "grid"}
@@ -84,7 +90,11 @@ def load_sweep(path: str | Path) -> Sweep:
             if not isinstance(options, list) or not options:
                 raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
     sweep = Sweep(base, grids)
-    for name, overrides in sweep.points():
+    try:
+        points = sweep.points()
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}") from None
+    for name, overrides in points:
         try:
             validate(with_overrides(base, overrides))
         except UserError as exc:

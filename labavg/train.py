@@ -407,7 +407,8 @@ def train(
         source = source() if callable(source) else source
         device = select_device(cfg.device, 0)
         yield from iterate_inproc(
-            cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop
+            cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop,
+            timeout=cfg.watchdog_seconds or None,
         )
         return
     from labavg.comm.world import open_communicator, select_device
@@ -449,6 +450,11 @@ def train(
             print(f"labavg: error: rank {comm.rank}: {one_line(user)}", file=sys.stderr, flush=True)
             comm.abort(str(user), 2, quiet=True)
         else:
+            if _peer_lost(exc):
+                # A peer that failed first reaches this rank as a broken connection; its
+                # launcher is about to end us. Wait for that, so that the failure reported is
+                # the peer's own, not this echo of it.
+                time.sleep(PEER_LOST_GRACE_SECONDS)
             comm.abort(f"rank {comm.rank} failed: {type(exc).__name__}: {one_line(exc)} "
                        f"(after step {step})")
         raise
@@ -456,6 +462,16 @@ def train(
         if watchdog is not None:
             watchdog.close()
         comm.close()
+
+
+PEER_LOST_GRACE_SECONDS = 5.0
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because another process went away (gloo, nccl)."""
+    text = str(exc)
+    return any(mark in text for mark in ("Connection closed by peer", "Connection reset by peer",
+                                         "Broken pipe", "NCCL communicator was aborted"))
 
 
 def _agree(comm: Communicator, opener: Callable[[], Any]) -> Any:

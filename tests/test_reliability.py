@@ -132,17 +132,22 @@ def test_data_error_met_by_one_rank_ends_the_job_once(poisoned_corpus, tmp_path,
         assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_data_error_at_open_on_every_rank_is_printed_once(corpus, tmp_path):
-    """Direct mpiexec, every rank meets the same bad setting: one message, exit 2, no run dir."""
+@pytest.mark.parametrize("flags, says", [
+    (["--minibatch", "20000", "--set", "data.buffer_frames=20000"], "too little training data"),
+    (["--minibatch", "100000000"], "data.buffer_frames (32768) must be at least"),  # a setting
+    (["--ali", "ark:/nonexistent/ali.ark"], "/nonexistent/ali.ark"),  # the data
+])
+def test_error_on_every_rank_is_printed_once(corpus, tmp_path, flags, says):
+    """Direct mpiexec, every rank meets the same bad input: one message, exit 2, no run dir."""
     from labavg.comm.world import mpiexec_command
 
     out = tmp_path / "run"
-    args = _train_args(corpus, out, "--backend", "mpi", "--minibatch", "100000000")
+    args = _train_args(corpus, out, "--backend", "mpi", *flags)
     proc = subprocess.run(mpiexec_command(2, ["-m", "labavg", *args]), capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2, proc.stderr
     mine = [line for line in proc.stderr.splitlines() if line.startswith("labavg: error:")]
-    assert len(mine) == 1 and "too little training data" in mine[0], proc.stderr
+    assert len(mine) == 1 and says in mine[0], proc.stderr
     assert not out.exists()
 
 
@@ -415,3 +420,39 @@ def test_resume_removes_orphaned_files_and_keeps_wall_time(corpus, tmp_path):
     assert not any(p.exists() for p in orphans)
     assert not list(run_dir.rglob("*.tmp"))
     assert summary["resumed"] is True and summary["wall_seconds"] > before
+
+
+def test_torchrun_names_the_rank_that_met_the_error(poisoned_corpus, tmp_path):
+    data, victim = poisoned_corpus
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", "29733", "-m", "labavg",
+               *_train_args(data, tmp_path / "run", "--backend", "torch", "--ranks", "2",
+                            "--epochs", "1")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=REPO)
+    assert proc.returncode != 0
+    mine = [line for line in proc.stderr.splitlines() if line.startswith("labavg:")]
+    assert len(mine) == 1, proc.stderr[-3000:]
+    assert mine[0].startswith("labavg: error: rank 1: ") and victim in mine[0]
+
+
+def test_inproc_hang_is_ended_by_the_watchdog(corpus, tmp_path):
+    """The dashboard's in-process workers: a hung thread breaks the group instead of the class."""
+    from labavg.comm.inproc import CollectiveTimeout, RankFailed
+
+    cfg = small_config(corpus, tmp_path / "run", inject_fault="hang@rank1:step4",
+                       watchdog_seconds=2.0)
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_training(cfg, progress=False)
+    assert time.monotonic() - start < 30
+    assert isinstance(info.value.exc, CollectiveTimeout)
+    assert "rank(s) [1] did not reach" in str(info.value)
+
+
+def test_inproc_hang_from_the_command_line_is_one_line(corpus, tmp_path):
+    proc = _cli(*_train_args(corpus, tmp_path / "run", "--ranks", "2", "--set",
+                             'inject_fault="hang@rank1:step3"', "--set", "watchdog_seconds=2"),
+                timeout=90)
+    assert proc.returncode == 3, proc.stderr
+    assert _error_lines(proc.stderr) == [l for l in proc.stderr.splitlines()
+                                         if l.startswith("labavg: error: watchdog: rank(s) [1]")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,10 @@ from labavg.comm.world import check_buffer, check_root
 
 class GroupAborted(RuntimeError):
     """This rank's collective was cut short because another rank failed or the group was aborted."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A rank waited longer than the group's timeout for the others (one hung or stopped)."""
 
 
 class CollectiveMismatch(RuntimeError):
@@ -121,10 +126,11 @@ class InProcGroup:
     been released but not yet woken (threading.Barrier.abort would make them raise).
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, timeout: float | None = None):
         if size < 1:
             raise ValueError(f"group size must be at least 1, got {size}")
         self.size = size
+        self.timeout = timeout  # seconds a rank may wait in one collective (the watchdog)
         self._cond = threading.Condition()
         self._calls: list[_Call | None] = [None] * size
         self._arrived = 0
@@ -165,8 +171,16 @@ class InProcGroup:
             self._arrived += 1
             if self._arrived == self.size:
                 return self._complete(rank)
+            since = time.monotonic()
             while generation == self._generation and self._broken is None:
-                self._cond.wait()
+                if not self._cond.wait(timeout=self.timeout):
+                    if generation == self._generation and self._broken is None:
+                        missing = [r for r, c in enumerate(self._calls) if c is None]
+                        reason = (f"watchdog: rank(s) {missing} did not reach {call.op} within "
+                                  f"{time.monotonic() - since:.0f} s (watchdog_seconds = "
+                                  f"{self.timeout:g}) while rank {rank} waited")
+                        self._break(reason)
+                        raise CollectiveTimeout(reason)
             if generation != self._generation:
                 # The next collective cannot overwrite _result before this rank arrives there.
                 return self._result
@@ -235,9 +249,9 @@ class InProcCommunicator:
         """Nothing to release; present for symmetry with the process backends."""
 
 
-def _communicators(size: int) -> list[InProcCommunicator]:
+def _communicators(size: int, timeout: float | None = None) -> list[InProcCommunicator]:
     """One communicator per rank over a fresh group."""
-    group = InProcGroup(size)
+    group = InProcGroup(size, timeout)
     return [InProcCommunicator(group, rank) for rank in range(size)]
 
 
@@ -305,7 +319,8 @@ class _Finished:
 
 
 def iterate_inproc(
-    size: int, gen_fn: Callable[..., Iterator[Any]], *args: Any, max_queued: int = 64
+    size: int, gen_fn: Callable[..., Iterator[Any]], *args: Any, max_queued: int = 64,
+    timeout: float | None = None,
 ) -> Iterator[Any]:
     """Run generator `gen_fn(comm, *args)` as `size` ranks in threads; yield their items as they come.
 
@@ -313,8 +328,14 @@ def iterate_inproc(
     back), unchanged and interleaved in arrival order, so they should carry their rank. When a
     rank raises, the others are aborted and, once all have stopped, RankFailed is raised here.
     Closing this iterator early aborts the group, closes the ranks' generators and joins them.
+
+    `timeout` is the watchdog: a rank that waits longer in one collective breaks the group
+    (CollectiveTimeout names the missing ranks). A hung rank's thread cannot be stopped; it is
+    left behind (a daemon) once the others have ended and `timeout` more seconds have passed.
     """
-    comms = _communicators(size)
+    comms = _communicators(size, timeout)
+    grace = timeout if timeout else None
+    drain = 5.0 if timeout else None  # aborted ranks end at once; only a hung one stays
     group = comms[0].group
     items: queue.Queue = queue.Queue(maxsize=max_queued)
     stop = threading.Event()
@@ -344,7 +365,10 @@ def iterate_inproc(
     failures: list[tuple[int, BaseException]] = []
     try:
         while finished < size:
-            item = items.get()
+            try:
+                item = items.get(timeout=grace if failures else None)
+            except queue.Empty:
+                break  # a hung rank never finishes: report the others' failure without it
             if isinstance(item, _Finished):
                 finished += 1
                 if item.exc is not None:
@@ -361,9 +385,12 @@ def iterate_inproc(
             stop.set()
             group.abort("the consumer stopped iterating")
             while finished < size:
-                finished += isinstance(items.get(), _Finished)
+                try:
+                    finished += isinstance(items.get(timeout=drain), _Finished)
+                except queue.Empty:
+                    break
         for thread in threads:
-            thread.join()
+            thread.join(timeout=drain)
 
 
 def _until(stop: threading.Event, gen: Iterator[Any]) -> Iterator[Any]:

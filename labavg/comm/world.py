@@ -103,6 +103,15 @@ def detect_launcher(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+def launcher_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher set it in the environment (0 outside a launcher)."""
+    env = os.environ if env is None else env
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 0
+
+
 def select_device(requested: str | torch.device, local_rank: int) -> torch.device:
     """The device for this rank: "cpu", "cuda" (one GPU per local rank, round robin), "cuda:N", "auto".
 
