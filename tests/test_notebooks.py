@@ -164,7 +164,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         result = json.loads((work / "runs/baseline-1rank/decode_test/result.json").read_text())
         low, high = result["wer_ci"]
         assert result["acwt_from"] == "dev" and result["utterances"] > 0
-        assert 0.0 <= low <= result["wer"] <= high <= 100.0 + 1e-9
+        assert 0.0 <= low <= result["wer"] <= high and math.isfinite(high)  # insertions: >100 % possible
         assert f"WER {result['wer']:.2f} % (95% CI" in text
     if name == "03-model-averaging-on-mpi-engines":
         for rank in (0, 1):
