@@ -388,17 +388,19 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
                 summary["resumed"] = resume
-                # Written before decoding, so that a failed decode loses no training result.
-                atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-                from labavg.decode.run import export_and_decode
-
-                summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:
             bar.close()
         for log in logs.values():
             log.close()
+    if summary is not None:
+        # After the trainer has ended (its ranks released, its watchdog gone): exporting and
+        # decoding take minutes, and a failed decode must not lose the training result above.
+        from labavg.decode.run import export_and_decode
+
+        summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
+        atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -433,9 +433,15 @@ def train(
         started = True
         for event in train_rank(rank_comm, cfg, source, run_dir, resume, device, should_stop):
             step = getattr(event, "step", step)
-            if watchdog is not None:
-                watchdog.beat(step)
-            yield event
+            if watchdog is None:
+                yield event
+                continue
+            watchdog.beat(step)
+            watchdog.suspend()  # a slow consumer (a decoder, a plot) is not a hung rank
+            try:
+                yield event
+            finally:
+                watchdog.resume()
     except GeneratorExit:
         raise
     except BaseException as exc:

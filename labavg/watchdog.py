@@ -53,6 +53,7 @@ class Watchdog:
         self._armed = False  # no "hung step" verdicts before the first collective is over
         self._collective: str | None = None
         self._collective_since = 0.0
+        self._suspended = False  # the main thread is in the consumer's code, not the trainer's
         self._count = 0
         self._peers: dict[int, tuple[Any, float]] = {}  # rank -> (last count seen, when it changed)
         self._stop = threading.Event()
@@ -71,6 +72,16 @@ class Watchdog:
             self._beat = time.monotonic()
             if step is not None:
                 self._step = step
+
+    def suspend(self) -> None:
+        """The trainer handed an event to its consumer: that time is not the trainer's to account for."""
+        with self._lock:
+            self._suspended = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._suspended = False
+            self._beat = time.monotonic()
 
     def enter(self, name: str) -> None:
         with self._lock:
@@ -109,7 +120,8 @@ class Watchdog:
         """The reason to end the job now, or None. Pure but for reading peers' heartbeats."""
         with self._lock:
             collective, since, beat, step, armed = (
-                self._collective, self._collective_since, self._beat, self._step, self._armed)
+                self._collective, self._collective_since, self._beat, self._step,
+                self._armed and not self._suspended)
         if collective is None:
             if armed and now - beat > self.limit:
                 return (f"rank {self.comm.rank} made no progress for {now - beat:.0f} s after "

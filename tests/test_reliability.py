@@ -446,3 +446,19 @@ def test_inproc_hang_from_the_command_line_is_one_line(corpus, tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert _error_lines(proc.stderr) == [l for l in proc.stderr.splitlines()
                                          if l.startswith("labavg: error: watchdog: rank(s) [1]")]
+
+
+def test_a_slow_consumer_is_not_a_hung_rank(tmp_path):
+    """Time spent by the consumer of the trainer's events does not count against the rank."""
+    from labavg.watchdog import Watchdog
+
+    class Comm:
+        rank, size = 0, 2
+
+    dog = Watchdog(Comm(), limit=10)
+    dog.leave()  # armed
+    dog.suspend()
+    assert dog.check(time.monotonic() + 60) is None
+    dog.resume()
+    assert dog.check(time.monotonic() + 5) is None
+    assert "made no progress" in dog.check(time.monotonic() + 11)
