@@ -50,9 +50,9 @@ _LN_DB = np.log(10.0) / 20.0  # dB -> natural-log amplitude
 # (zero-phase) envelope's impulse response fits without circular wrap-around.
 # The dev and test sets are noisier than training (15-35 dB): at the training SNRs a 1-worker
 # baseline decodes at about 4.5 % WER, too few errors for differences between systems of 0.3-1
-# points to show. 9-13 dB brings it to 10-20 % (docs/corpus.md, "Held-out difficulty"); a narrow
+# points to show. 13-17 dB brings it to 10-20 % (docs/corpus.md, "Held-out difficulty"); a narrow
 # range keeps the utterances about equally hard, so the bootstrap intervals stay narrow.
-HELDOUT_SNR_DB = (9.0, 13.0)
+HELDOUT_SNR_DB = (13.0, 17.0)
 
 _SYN_WIN_S = 0.016
 _SYN_HOP_S = 0.008
