@@ -5,6 +5,7 @@
     labavg sweep SWEEP.toml --out D  train a grid of configurations
     labavg dashboard                 serve the live dashboard
     labavg decode RUN_DIR --data D   word and phone error rates of a run's final model
+    labavg compare RUN_A RUN_B       paired bootstrap of two runs' WERs on one decoded set
     labavg info RUN_DIR...           print run summaries as a table
 
 Bad input prints one message and exits with status 2.
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="acoustic scale (repeat to sweep; default 0.05..0.2)")
     decode.add_argument("--beam", type=float, default=None, help="decoding beam (default 13)")
     decode.set_defaults(func=cmd_decode)
+    _add_compare_parser(sub)
 
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of finished runs as a table.")
@@ -407,6 +409,33 @@ def cmd_decode(args: argparse.Namespace) -> int:
                          beam=args.beam if args.beam is not None else DEFAULT_BEAM)
     print(format_result(summary))
     print(f"decode directory: {Path(args.run_dir) / ('decode_' + summary['set'])}")
+    return 0
+
+
+def _add_compare_parser(sub) -> None:
+    p = sub.add_parser(
+        "compare", help="compare two runs' WERs on the same decoded set (paired bootstrap)",
+        description="Read RUN_A/decode_SET and RUN_B/decode_SET (each at its reported acoustic "
+        "scale) and print both WERs with 95%% intervals, WER(B) - WER(A) with the paired "
+        "bootstrap's 95%% interval, and the probability that B is better.",
+    )
+    p.add_argument("run_a", help="run directory of system A (the baseline)")
+    p.add_argument("run_b", help="run directory of system B")
+    p.add_argument("--set", default="test", dest="set_name",
+                   help="decoded set to compare: RUN/decode_SET (default test)")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from labavg.decode.run import compare_decodes, format_comparison
+
+    a, b, comparison = compare_decodes(args.run_a, args.run_b, args.set_name)
+    if args.json:
+        print(json.dumps({"set": args.set_name, "run_a": str(a.run_dir), "run_b": str(b.run_dir),
+                          "acwt_a": a.acwt, "acwt_b": b.acwt, **comparison.to_dict()}, indent=2))
+    else:
+        print(format_comparison(a, b, comparison, args.set_name))
     return 0
 
 

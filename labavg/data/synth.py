@@ -48,6 +48,12 @@ _LN_DB = np.log(10.0) / 20.0  # dB -> natural-log amplitude
 
 # Synthesis STFT: 16 ms Hann analysis frames, 8 ms hop, zero-padded to 32 ms so that the
 # (zero-phase) envelope's impulse response fits without circular wrap-around.
+# The dev and test sets are noisier than training (15-35 dB): at the training SNRs a 1-worker
+# baseline decodes at about 4.5 % WER, too few errors for differences between systems of 0.3-1
+# points to show. 13-17 dB brings it to 10-20 % (docs/corpus.md, "Held-out difficulty"); a narrow
+# range keeps the utterances about equally hard, so the bootstrap intervals stay narrow.
+HELDOUT_SNR_DB = (13.0, 17.0)
+
 _SYN_WIN_S = 0.016
 _SYN_HOP_S = 0.008
 
@@ -612,8 +618,9 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
                num_speakers: int | None = None, sample_rate: int = 16000,
                snr_db: tuple[float, float] = (15.0, 35.0), accent_sigma: float = 0.12,
                coarticulation_ms: tuple[float, float] = (20.0, 50.0), lexicon_size: int = 400,
-               overwrite: bool = False, dev_hours: float = 0.0, test_hours: float = 0.0
-               ) -> CorpusInfo:
+               overwrite: bool = False, dev_hours: float = 0.0, test_hours: float = 0.0,
+               heldout_snr_db: tuple[float, float] | None = HELDOUT_SNR_DB,
+               heldout_accent_sigma: float | None = None) -> CorpusInfo:
     """Write a synthetic Kaldi data directory of about `hours` of speech to `out_dir`.
 
     The same arguments give byte-identical files (except the absolute paths inside the scp
@@ -626,6 +633,10 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     `dev_hours` / `test_hours` > 0 add held-out data dirs `out_dir/dev` and `out_dir/test`: the
     same lexicon and conditions, other speakers (`devNNN`, `tstNNN`), drawn from their own
     random streams, so the training files are the same with or without them.
+    `heldout_snr_db` (default HELDOUT_SNR_DB, noisier than training) and `heldout_accent_sigma`
+    are the dev and test sets' conditions (None: those of training); they change only the noise
+    level / the size of the accents of the same utterances and speakers, as every draw is made
+    the same way.
     """
     start = time.perf_counter()
     if not (hours > 0 and np.isfinite(hours)):
@@ -641,6 +652,12 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
         raise UserError(f"num_speakers must be at least 1, got {num_speakers!r}")
     if snr_db[0] > snr_db[1] or coarticulation_ms[0] > coarticulation_ms[1] or coarticulation_ms[0] <= 0:
         raise UserError(f"bad ranges snr_db={snr_db!r} coarticulation_ms={coarticulation_ms!r}")
+    heldout_snr_db = snr_db if heldout_snr_db is None else heldout_snr_db
+    heldout_accent_sigma = accent_sigma if heldout_accent_sigma is None else heldout_accent_sigma
+    if heldout_snr_db[0] > heldout_snr_db[1]:
+        raise UserError(f"bad range heldout_snr_db={heldout_snr_db!r}")
+    if not heldout_accent_sigma >= 0:
+        raise UserError(f"heldout_accent_sigma must be non-negative, got {heldout_accent_sigma!r}")
     final = Path(out_dir).resolve()
     _check_out_dir(final, overwrite)
     if num_speakers is None:
@@ -658,7 +675,7 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
                                                        ("test", "tst", test_hours)), start=1):
         if set_hours > 0:
             rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-            set_speakers = [_make_speaker(rng, f"{prefix}{i:03d}", len(table), accent_sigma)
+            set_speakers = [_make_speaker(rng, f"{prefix}{i:03d}", len(table), heldout_accent_sigma)
                             for i in range(max(2, int(round(40 * set_hours))))]
             held_out.append((name, _plan_set(rng, set_speakers, table, lexicon, set_hours)))
     params = {"seed": int(seed), "hours_requested": float(hours), "sample_rate": int(sample_rate),
@@ -675,7 +692,8 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
         for name, set_plans in held_out:
             (build / name).mkdir()
             _write_corpus(build / name, final / name, set_plans, table, lexicon, sample_rate,
-                          {**params, "set": name})
+                          {**params, "set": name, "snr_db": [float(x) for x in heldout_snr_db],
+                           "accent_sigma": float(heldout_accent_sigma)})
         if final.exists():
             old = final.with_name(f"{final.name}.old-{os.getpid()}")
             final.rename(old)

@@ -29,7 +29,7 @@ from labavg.decode.decoder import DEFAULT_BEAM, Decoder
 from labavg.decode.lexicon import map_oov, read_lexicon, read_text
 from labavg.decode.model import (ExportedModel, load_final_model, read_phones_txt,
                                  topology_num_pdfs)
-from labavg.decode.score import ErrorRate, error_rate
+from labavg.decode.score import Comparison, ErrorRate, compare_error_rates, error_rate
 from labavg.errors import DataError, UserError
 
 # Kaldi's score.sh sweeps LM weights 7..17 on acwt 1 (= acwt 1/17 .. 1/7 at LM weight 1).
@@ -363,3 +363,92 @@ def export_and_decode(run_dir: Path, cfg, source, decode_data: str | os.PathLike
     result = decode_run(run_dir, test, dev=dev)
     return {key: result[key] for key in ("wer", "wer_ci", "per", "per_ci", "acwt")} | {
         "decode_set": result["set"]}
+
+
+def _read_table(path: Path) -> dict[str, list[str]]:
+    """`key word word ...` lines (Kaldi text format; a key alone is an empty hypothesis)."""
+    table: dict[str, list[str]] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0] in table:
+            raise DataError(f"{path}:{number}: utterance {fields[0]!r} appears twice")
+        table[fields[0]] = fields[1:]
+    return table
+
+
+@dataclass
+class Decoded:
+    """One run's decode_<set>/ at its reported acoustic scale."""
+
+    run_dir: Path
+    decode_dir: Path
+    acwt: float
+    acwt_from: str
+    refs: dict[str, list[str]]
+    hyps: dict[str, list[str]]
+
+
+def read_decode_dir(run_dir: str | os.PathLike, set_name: str = "test") -> Decoded:
+    """RUN_DIR/decode_<set>/: references and the hypotheses at the scale result.json reports."""
+    run_dir = Path(run_dir)
+    out = run_dir / f"decode_{set_name}"
+    result_path = out / "result.json"
+    if not result_path.is_file():
+        raise UserError(f"{result_path} not found: decode the set first (labavg decode "
+                        f"{run_dir} --data DIR, or train with --decode-data)")
+    try:
+        result = json.loads(result_path.read_text(encoding="utf-8"))
+        acwt = float(result["acwt"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{result_path}: not a decode result ({exc})") from None
+    hyp_path = out / f"hyp_{_fmt(acwt)}.txt"
+    for path in (out / "ref.txt", hyp_path):
+        if not path.is_file():
+            raise DataError(f"{path} not found: {out} is incomplete")
+    refs, hyps = _read_table(out / "ref.txt"), _read_table(hyp_path)
+    if refs.keys() != hyps.keys():
+        missing = sorted(refs.keys() ^ hyps.keys())
+        raise DataError(f"{hyp_path} and {out / 'ref.txt'} list different utterances "
+                        f"({len(missing)}, e.g. {missing[0]!r})")
+    return Decoded(run_dir=run_dir, decode_dir=out, acwt=acwt,
+                   acwt_from=str(result.get("acwt_from", "")), refs=refs, hyps=hyps)
+
+
+def compare_decodes(run_a: str | os.PathLike, run_b: str | os.PathLike, set_name: str = "test",
+                    ) -> tuple[Decoded, Decoded, Comparison]:
+    """Run B against run A on the same decoded set, each at its own reported scale.
+
+    WER(B) - WER(A) with the paired bootstrap's 95 % interval and the probability that B is
+    better. The two runs must have decoded the same utterances with the same references.
+    """
+    a, b = read_decode_dir(run_a, set_name), read_decode_dir(run_b, set_name)
+    if a.refs.keys() != b.refs.keys():
+        only = sorted(a.refs.keys() ^ b.refs.keys())
+        raise DataError(f"{a.decode_dir} and {b.decode_dir} decoded different utterances "
+                        f"({len(only)} not in both, e.g. {only[0]!r}): not the same test set")
+    keys = sorted(a.refs)
+    differ = [k for k in keys if a.refs[k] != b.refs[k]]
+    if differ:
+        raise DataError(f"{a.decode_dir}/ref.txt and {b.decode_dir}/ref.txt differ for "
+                        f"{len(differ)} utterances (e.g. {differ[0]!r}): not the same references")
+    comparison = compare_error_rates([a.refs[k] for k in keys], [a.hyps[k] for k in keys],
+                                     [b.hyps[k] for k in keys])
+    return a, b, comparison
+
+
+def format_comparison(a: Decoded, b: Decoded, c: Comparison, set_name: str = "test") -> str:
+    """The comparison for the terminal: both WERs with intervals, then B - A."""
+    def line(tag: str, d: Decoded, r: ErrorRate) -> str:
+        return (f"{tag} {d.run_dir}: WER {r.rate:.2f} % (95% CI {r.ci_low:.2f}-{r.ci_high:.2f}) "
+                f"[ {r.errors} / {r.ref_tokens} ] at acwt {d.acwt:g}")
+
+    verdict = ("resolved: the interval excludes 0" if c.resolved
+               else "not resolved: the interval contains 0")
+    return "\n".join([
+        f"{set_name}: {c.a.sentences} utterances, {c.a.ref_tokens} words",
+        line("A", a, c.a), line("B", b, c.b),
+        f"B - A: {c.diff:+.2f} points (95% CI {c.diff_ci_low:+.2f} to {c.diff_ci_high:+.2f}, "
+        f"paired bootstrap over utterances, {c.replications} replications); "
+        f"P(B better) = {c.p_b_better:.3f}; {verdict}"])
