@@ -416,8 +416,8 @@ def _add_compare_parser(sub) -> None:
     p = sub.add_parser(
         "compare", help="compare two runs' WERs on the same decoded set (paired bootstrap)",
         description="Read RUN_A/decode_SET and RUN_B/decode_SET (each at its reported acoustic "
-        "scale) and print both WERs with 95%% intervals, WER(B) - WER(A) with the paired "
-        "bootstrap's 95%% interval, and the probability that B is better.",
+        "scale) and print both WERs with 95 % intervals, WER(B) - WER(A) with the paired "
+        "bootstrap's 95 % interval, and the probability that B is better.",
     )
     p.add_argument("run_a", help="run directory of system A (the baseline)")
     p.add_argument("run_b", help="run directory of system B")
