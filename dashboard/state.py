@@ -32,7 +32,8 @@ import param
 from labavg.config import DataConfig, TrainConfig, to_dict, validate, with_overrides
 from labavg.errors import UserError, one_line, user_error_of
 from labavg.model import ModelConfig
-from labavg.runs import CONFIG, EVENTS, SUMMARY, comparable_config
+from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, effective_k, fill_speedups,  # noqa: F401
+                          list_runs, read_events, run_row)
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 POINTS_PER_CURVE = 5000
@@ -99,7 +100,7 @@ def describe_config(cfg: dict[str, Any]) -> str:
     final = cfg.get("final_lr")
     lr = f"lr {cfg.get('lr'):g}" + (f"→{final:g}" if final is not None else "")
     backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.get("backend"), cfg.get("backend"))
-    return (f"{backend} × {cfg.get('ranks')} ranks · K={cfg.get('average_every')} · "
+    return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · "
             f"{cfg.get('optimizer')} {lr} ({cfg.get('schedule')}) · pretrain {cfg.get('pretrain')} · "
             f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epochs · "
             f"{model.get('hidden_layers')}×{model.get('hidden_dim')} · data {Path(str(data.get('data'))).name}")
@@ -206,39 +207,6 @@ class RunBuffers:
                 series.flush()
 
 
-class EventTail:
-    """Reads the lines appended to an events.jsonl since the last call.
-
-    A last line without its newline is still being written: it is kept and completed by the
-    next read, so a reader never parses half a JSON object.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._offset = 0
-        self._partial = b""
-
-    def read(self, max_bytes: int = 16 << 20) -> list[dict[str, Any]]:
-        """New complete events (at most `max_bytes` read per call, so one call stays short)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(max_bytes)
-        except FileNotFoundError:
-            return []
-        self._offset += len(chunk)
-        data = self._partial + chunk
-        *lines, self._partial = data.split(b"\n")
-        events = []
-        for line in lines:
-            if line.strip():
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a torn line from a crashed writer: skip, keep following
-        return events
-
-
 class LiveRun(param.Parameterized):
     """The run on screen. `start` trains on a worker thread; `follow` tails a run directory.
 
@@ -273,7 +241,9 @@ class LiveRun(param.Parameterized):
             self.status = "A run is already in progress; stop it first."
             return False
         try:
-            out = new_run_dir(Path(settings.runs_dir).expanduser(), settings.ranks, settings.average_every)
+            # The name shows the K the run trains with (average_every_frames may set it).
+            k = settings.to_config(Path(settings.runs_dir) / "check").averaging_interval()
+            out = new_run_dir(Path(settings.runs_dir).expanduser(), settings.ranks, k)
             cfg = settings.to_config(out)
         except UserError as exc:
             self.error = str(exc)
@@ -281,11 +251,11 @@ class LiveRun(param.Parameterized):
             return False
         backend = settings.backend
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
-        target = self._train_in_process if backend == "in-process workers" else self._train_on_engines
-        self._thread = threading.Thread(target=self._guard, args=(target, cfg), daemon=True,
+        launcher = "threads" if backend == "in-process workers" else "engines"
+        self._thread = threading.Thread(target=self._drive, args=(cfg, launcher), daemon=True,
                                         name="labavg-dashboard-run")
         self.running = True
-        self.status = f"Running {out.name} ({backend}, {cfg.ranks} ranks, K={cfg.average_every})…"
+        self.status = f"Running {out.name} ({backend}, {cfg.ranks} ranks, K={cfg.averaging_interval()})…"
         self._thread.start()
         return True
 
@@ -316,41 +286,28 @@ class LiveRun(param.Parameterized):
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
 
-    def _guard(self, target, cfg: TrainConfig) -> None:
-        """Run `target` and report its outcome to the UI thread (never raise on a worker)."""
+    def _drive(self, cfg: TrainConfig, launcher: str) -> None:
+        """On the worker: start the run, relay its events, pass on a stop; report the outcome."""
+        from labavg.launch import start_run
+
+        handle = None
         try:
-            self._outcome.put(("done", target(cfg)))
-        except BaseException as exc:  # noqa: BLE001 - shown in the page, not lost on a thread
-            self._outcome.put(("failed", f"{type(exc).__name__}: {_root_message(exc)}"))
-
-    def _train_in_process(self, cfg: TrainConfig) -> dict[str, Any] | None:
-        from labavg.runs import run_training
-
-        return run_training(cfg, on_event=lambda ev: self._events.put(ev.to_dict()),
-                            progress=False, should_stop=self._stop.is_set)
-
-    def _train_on_engines(self, cfg: TrainConfig) -> dict[str, Any] | None:
-        # Imported here: ipyparallel engines are optional and may be missing or broken.
-        from labavg.cluster import Cluster
-
-        cluster = Cluster.start(cfg.ranks)
-        try:
-            handle = cluster.submit(cfg)
+            handle = start_run(cfg, launcher=launcher)
             stopping = False
-            while not handle.done:
+            while not handle.done():
                 for event in handle.poll():
                     self._events.put(event)
                 if self._stop.is_set() and not stopping:
                     handle.stop()
                     stopping = True
-                time.sleep(0.2)
-            handle.wait()
-            for event in handle.poll():
-                self._events.put(event)
-        finally:
-            cluster.shutdown()
-        summary_path = Path(cfg.out) / SUMMARY
-        return json.loads(summary_path.read_text()) if summary_path.is_file() else None
+                time.sleep(0.05)
+            summary = handle.wait()
+            outcome = ("done", summary)
+        except BaseException as exc:  # noqa: BLE001 - shown in the page, not lost on a thread
+            outcome = ("failed", f"{type(exc).__name__}: {one_line(user_error_of(exc) or exc)}")
+        for event in handle.poll() if handle is not None else []:
+            self._events.put(event)
+        self._outcome.put(outcome)
 
     # -- monitor mode ----------------------------------------------------------------------
 
@@ -449,11 +406,6 @@ def _finish_text(finished: dict[str, Any]) -> str:
             f"{finished.get('wall_seconds', 0):.1f} s")
 
 
-def _root_message(exc: BaseException) -> str:
-    """The message of the error behind `exc` (a simulated worker's UserError, say)."""
-    return one_line(user_error_of(exc) or exc)
-
-
 # -- the past runs -------------------------------------------------------------------------
 
 TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "schedule", "pretrain",
@@ -461,47 +413,22 @@ TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "s
                  "wall_s", "comm_pct", "speedup", "efficiency")
 
 
-def _comparable(config: dict[str, Any]) -> str:
-    return json.dumps(comparable_config(config), sort_keys=True)
-
-
-def _table_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -> dict[str, Any]:
-    model = config.get("model", {})
-    s = summary or {}
+def _table_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard's columns of a `labavg.index.run_row`: percentages, short names."""
 
     def pct(value):
         return None if value is None else round(100 * value, 2)
 
-    status = "running/incomplete" if summary is None else ("stopped" if s.get("stopped") else "finished")
     return {
-        "run": name, "status": status, "backend": config.get("backend"), "ranks": config.get("ranks"),
-        "K": config.get("average_every"), "optimizer": config.get("optimizer"), "lr": config.get("lr"),
-        "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
-        "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),
-        "model": f"{model.get('hidden_layers')}x{model.get('hidden_dim')}",
-        "wer_pct": s.get("wer"), "per_pct": s.get("per"),
-        "cv_acc_pct": pct(s.get("cv_frame_accuracy")), "cv_loss": s.get("cv_loss"),
-        "wall_s": s.get("wall_seconds"), "comm_pct": pct(s.get("comm_fraction")),
-        "speedup": s.get("speedup"), "efficiency": s.get("parallel_efficiency"),
+        "run": row["run"], "status": row["status"], "backend": row["backend"],
+        "ranks": row["ranks"], "K": row["average_every"], "optimizer": row["optimizer"],
+        "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
+        "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
+        "wer_pct": row["wer"], "per_pct": row["per"],
+        "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
+        "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
+        "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
     }
-
-
-def fill_speedups(rows: list[dict[str, Any]], configs: dict[str, dict[str, Any]]) -> None:
-    """Give finished runs without a speedup one from a 1-rank run of the same configuration.
-
-    (summary.json only has a speedup when the baseline finished *before* the run.)
-    """
-    baselines: dict[str, float] = {}
-    for row in rows:
-        if row["status"] == "finished" and row["ranks"] == 1 and row["wall_s"]:
-            baselines[_comparable(configs[row["run"]])] = row["wall_s"]
-    for row in rows:
-        if row["status"] != "finished" or row["speedup"] is not None or not row["wall_s"]:
-            continue
-        base = baselines.get(_comparable(configs[row["run"]]))
-        if base is not None:
-            row["speedup"] = base / row["wall_s"]
-            row["efficiency"] = row["speedup"] / row["ranks"]
 
 
 class RunTable(param.Parameterized):
@@ -517,20 +444,11 @@ class RunTable(param.Parameterized):
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
-        root = Path(self.runs_dir).expanduser()
-        rows, configs = [], {}
-        for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
-            try:
-                config = json.loads((run_dir / CONFIG).read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            try:
-                summary = json.loads((run_dir / SUMMARY).read_text())
-            except (OSError, json.JSONDecodeError):
-                summary = None
-            configs[run_dir.name] = config
-            rows.append(_table_row(run_dir.name, config, summary))
-        fill_speedups(rows, configs)
+        records = list_runs(Path(self.runs_dir))
+        rows = [run_row(r.name, r.config, r.summary) for r in records]
+        fill_speedups(rows, records)
+        rows = [_table_row(row) for row in rows]
+        configs = {r.name: r.config for r in records}
         self._configs = configs
         self.selected = [name for name in self.selected if name in configs]
         self.rows = rows
@@ -563,7 +481,7 @@ class RunTable(param.Parameterized):
             scale = config.get("minibatch", 1) * config.get("ranks", 1)
             sums: dict[int, list[float]] = {}
             cv_x, cv_y = [], []
-            for event in EventTail(root / name / EVENTS).read(max_bytes=1 << 30):
+            for event in read_events(root / name) if (root / name / EVENTS).is_file() else []:
                 if event.get("type") == "minibatch":
                     sums.setdefault(event["step"], []).append(event["loss"])
                 elif event.get("type") == "epoch" and event.get("rank") == 0:

@@ -95,13 +95,15 @@ class EngineRun:
     (a stop, a %px cell), which would file later events under that request instead.
     """
 
-    def __init__(self, run_id: str, cfg_dict: dict[str, Any], rank: int, heartbeat: float):
+    def __init__(self, run_id: str, cfg_dict: dict[str, Any], rank: int, heartbeat: float,
+                 resume: bool = False):
         from ipyparallel.engine.datapub import ZMQDataPublisher
         from IPython import get_ipython
 
         kernel = get_ipython().kernel
         self.run_id, self.rank, self.heartbeat = run_id, rank, heartbeat
         self.cfg_dict = cfg_dict
+        self.resume = resume
         self.stop_requested = threading.Event()
         self._publisher = ZMQDataPublisher(session=kernel.session, pub_socket=kernel.iopub_socket)
         self._publisher.set_parent(kernel.get_parent("shell"))
@@ -135,7 +137,7 @@ class EngineRun:
 
         try:
             cfg = config_from_dict(self.cfg_dict, "submitted config")
-            summary = run_training(cfg, progress=False, on_event=self._on_event,
+            summary = run_training(cfg, resume=self.resume, progress=False, on_event=self._on_event,
                                    should_stop=self.stop_requested.is_set)
             final = {"status": "done", "summary": summary}
         except BaseException as exc:  # noqa: BLE001 - reported to the client, which raises it
@@ -165,7 +167,8 @@ class EngineRun:
                 return
 
 
-def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float) -> dict[str, Any]:
+def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float,
+              resume: bool = False) -> dict[str, Any]:
     """On an engine: start this rank's part of run `run_id` in the background and return at once."""
     from mpi4py import MPI
 
@@ -174,7 +177,7 @@ def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float) -> dict[s
     if busy:
         raise RuntimeError(f"run {busy[0]} is still running on this engine")
     rank = MPI.COMM_WORLD.Get_rank()
-    run = runs[run_id] = EngineRun(run_id, cfg_dict, rank, heartbeat)
+    run = runs[run_id] = EngineRun(run_id, cfg_dict, rank, heartbeat, resume)
     run.start()
     return {"rank": rank, "pid": os.getpid(), "run_id": run_id}
 
@@ -403,10 +406,11 @@ class Cluster:
 
     # -- runs
 
-    def submit(self, cfg: TrainConfig, *, heartbeat: float = 0.5,
+    def submit(self, cfg: TrainConfig, *, resume: bool = False, heartbeat: float = 0.5,
                silence_timeout: float = 15.0) -> RunHandle:
         """Start `cfg` on all engines (cfg.backend must be "mpi") and return its handle at once.
 
+        `resume` continues cfg.out from its last checkpoint.
         `silence_timeout`: seconds without a heartbeat after which an engine counts as dead.
         """
         if cfg.backend != "mpi":
@@ -420,7 +424,7 @@ class Cluster:
             raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
         run_id = uuid.uuid4().hex[:12]
         cfg_dict = to_dict(cfg)
-        results = [self.client[info["engine_id"]].apply_async(start_run, run_id, cfg_dict, heartbeat)
+        results = [self.client[info["engine_id"]].apply_async(start_run, run_id, cfg_dict, heartbeat, resume)
                    for info in self._infos]
         self._run = RunHandle(self, run_id, results, self.info(), silence_timeout=silence_timeout)
         return self._run
