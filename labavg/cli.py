@@ -236,8 +236,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if cfg.backend == "torch" and detect_launcher() == "mpi":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
-    if detect_launcher() is not None:
-        # This process is one rank of a job that mpiexec, srun or torchrun started.
+    if detect_launcher() is not None or args.config_json:
+        # This process is one rank of a job that mpiexec, srun, torchrun or labavg started.
         should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
         summary = run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
                                allow_pipes=args.allow_pipes)
