@@ -219,7 +219,7 @@ def train_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from labavg.comm.world import detect_launcher, launcher_rank
+    from labavg.comm.launchers import detect_launcher, launcher_rank
     from labavg.launch import JobFailed, rank_config, start_run
     from labavg.runs import format_table, run_training
 

@@ -5,7 +5,7 @@ Used by notebooks and the dashboard; it never re-implements training. The pieces
 * `Cluster.start(n)` starts an ipyparallel controller and `n` engines under the venv's MPICH
   `mpiexec` (engines="mpi"), all on 127.0.0.1; `Cluster.attach()` connects to a running
   `ipcluster start --engines=mpi`. Every engine reports its MPI rank and binds its device by
-  local rank (`labavg.comm.world.select_device`); `cluster.view` is a DirectView in rank order.
+  local rank (`labavg.comm.devices.select_device`); `cluster.view` is a DirectView in rank order.
 * `cluster.submit(cfg)` sends the config as a plain dict to every engine, which runs
   `run_training` in a background thread (the engine stays free for `stop()` and `%px`) and
   streams its events back as ipyparallel data messages (datapub). The returned `RunHandle`
@@ -67,8 +67,8 @@ def bind_engine(device: str) -> dict[str, Any]:
     """
     import torch
 
+    from labavg.comm.devices import select_device
     from labavg.comm.mpi import MpiCommunicator
-    from labavg.comm.world import select_device
 
     comm = MpiCommunicator()
     bound = select_device(device, comm.local_rank)
@@ -81,9 +81,9 @@ def bind_engine(device: str) -> dict[str, Any]:
 
 def mpi_world_size() -> int:
     """On an engine: the size of MPI_COMM_WORLD (not collective)."""
-    from mpi4py import MPI
+    from labavg.comm.mpi import world_rank_size
 
-    return MPI.COMM_WORLD.Get_size()
+    return world_rank_size()[1]
 
 
 class EngineRun:
@@ -170,13 +170,13 @@ class EngineRun:
 def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float,
               resume: bool = False) -> dict[str, Any]:
     """On an engine: start this rank's part of run `run_id` in the background and return at once."""
-    from mpi4py import MPI
+    from labavg.comm.mpi import world_rank_size
 
     runs = _engine_namespace().setdefault(_RUNS_KEY, {})
     busy = [rid for rid, run in runs.items() if run.alive()]
     if busy:
         raise RuntimeError(f"run {busy[0]} is still running on this engine")
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank = world_rank_size()[0]
     run = runs[run_id] = EngineRun(run_id, cfg_dict, rank, heartbeat, resume)
     run.start()
     return {"rank": rank, "pid": os.getpid(), "run_id": run_id}
@@ -198,23 +198,16 @@ def request_stop(run_id: str) -> bool:
 def mpi_launcher_config(extra_args: list[str] | None = None):
     """traitlets Config making ipyparallel's MPI engine launcher run the venv's MPICH locally.
 
-    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, and the
-    LOOPBACK_HYDRA_ARGS / LOOPBACK_MPICH_ENV settings keep hydra's proxy connection and rank
-    traffic on 127.0.0.1. With `-disable-auto-cleanup`
-    hydra does not kill the other ranks at once when one dies: they end when their next
-    collective fails, or hang, so the client sees the dead rank go first and can name it
-    (`RunHandle.kill` ends the rest).
+    The options are those of `labavg.comm.launchers.local_mpiexec_args`, without hydra's
+    auto-cleanup: when one rank dies the others end when their next collective fails, or hang,
+    so the client sees the dead rank go first and can name it (`RunHandle.kill` ends the rest).
     """
     from traitlets.config import Config
 
-    from labavg.comm.world import LOOPBACK_HYDRA_ARGS, LOOPBACK_MPICH_ENV, find_mpiexec
+    from labavg.comm.launchers import find_mpiexec, local_mpiexec_args
 
     mpiexec = find_mpiexec()
-    args: list[str] = []
-    if (mpiexec.parent / "hydra_pmi_proxy").exists():  # MPICH's hydra, as comm.world checks
-        args += ["-launcher", "fork", *LOOPBACK_HYDRA_ARGS, "-disable-auto-cleanup"]
-        for name, value in LOOPBACK_MPICH_ENV.items():
-            args += ["-genv", name, value]
+    args = local_mpiexec_args(mpiexec, auto_cleanup=False)
     config = Config()
     config.MPIEngineSetLauncher.mpi_cmd = [str(mpiexec)]
     config.MPIEngineSetLauncher.mpi_args = args + list(extra_args or [])

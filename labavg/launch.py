@@ -23,7 +23,6 @@ import json
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -176,22 +175,15 @@ def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
 
 def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None) -> list[str]:
     """The command running `python *argv` as the job's ranks: mpiexec, torchrun, or plain."""
-    if cfg.backend == "mpi":
-        from labavg.comm.world import mpiexec_command
+    from labavg.comm.launchers import mpiexec_command, torchrun_command
 
+    if cfg.backend == "mpi":
         return mpiexec_command(cfg.ranks, argv, hosts=hosts)
     if cfg.backend == "torch":
         if hosts:
             raise UserError("--hosts is for the mpi backend; start torchrun on every node instead")
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.ranks),
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *argv]
+        return torchrun_command(cfg.ranks, argv)
     return [sys.executable, *argv]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class JobRun:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.checkpoint import atomic_write_text, latest_step, remove_orphans
-from labavg.comm.world import launcher_rank
+from labavg.comm.launchers import launcher_rank
 from labavg.config import TrainConfig, config_from_dict, to_dict
 from labavg.errors import UserError, one_line
 from labavg.watchdog import HEARTBEAT_DIR

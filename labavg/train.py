@@ -402,7 +402,7 @@ def train(
     torch.set_num_threads(cfg.threads)
     if cfg.backend == "inproc":
         from labavg.comm.inproc import iterate_inproc
-        from labavg.comm.world import select_device
+        from labavg.comm.devices import select_device
 
         source = source() if callable(source) else source
         device = select_device(cfg.device, 0)
@@ -411,7 +411,8 @@ def train(
             timeout=cfg.watchdog_seconds or None,
         )
         return
-    from labavg.comm.world import open_communicator, select_device
+    from labavg.comm.devices import select_device
+    from labavg.comm.world import open_communicator
     from labavg.watchdog import Watchdog, WatchedCommunicator
 
     comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)

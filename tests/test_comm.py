@@ -23,13 +23,9 @@ from labavg.comm.inproc import (
     run_inproc,
     tree_sum,
 )
-from labavg.comm.world import (
-    detect_launcher,
-    find_mpiexec,
-    mpiexec_command,
-    open_communicator,
-    select_device,
-)
+from labavg.comm.devices import select_device
+from labavg.comm.launchers import detect_launcher, find_mpiexec, mpiexec_command
+from labavg.comm.world import open_communicator
 from labavg.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,3 +373,42 @@ def test_torchrun_gloo_ranks_match_inproc(tmp_path):
     assert not any(bool(r["mpi4py_at_end"]) for r in ranks)  # a torch run never loads mpi4py
     inproc = _inproc_results(2, tmp_path)
     np.testing.assert_allclose(ranks[0]["mean32"], inproc[0]["mean32"], rtol=1e-6, atol=1e-6)
+
+
+def test_only_comm_imports_mpi4py_and_torch_distributed():
+    import ast
+
+    doors = ("mpi4py", "torch.distributed")
+    found = []
+    for path in sorted([*(REPO / "labavg").rglob("*.py"), *(REPO / "dashboard").rglob("*.py")]):
+        if (REPO / "labavg" / "comm") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value]  # `python -m torch.distributed.run` is a door too
+            found += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
+                      if any(n == d or n.startswith(d + ".") for d in doors)]
+    assert found == []
+
+
+def test_comm_modules_import_without_a_loop():
+    """No cycle among comm/'s modules, counting imports inside functions."""
+    import ast
+
+    graph = {}
+    for path in (REPO / "labavg" / "comm").glob("*.py"):
+        name = f"labavg.comm.{path.stem}"
+        graph[name] = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.ImportFrom) and node.module
+                       and node.module.startswith("labavg.comm.")}
+
+    def reaches(start, goal, seen=()):
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt)))
+                   for nxt in graph.get(start, ()))
+
+    assert [m for m in graph if reaches(m, m)] == []
