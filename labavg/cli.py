@@ -21,54 +21,21 @@ from typing import Any
 
 from labavg.errors import PeerFailed, UserError, one_line, user_error_of
 
-# CLI flag -> dotted TrainConfig key. Only flags the user gave override the config file.
-TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--data": ("data.data", str, "Kaldi data directory or feature rspecifier"),
-    "--ali": ("data.ali", str, "rspecifier of pdf-id alignments (ark:..., scp:..., ark:...|)"),
-    "--ali-dir": ("data.ali_dir", str, "alignment directory with ali.*.gz and final.mdl"),
-    "--textgrid": ("data.textgrid", str, "TextGrid file or directory of <utt>.TextGrid phone tiers"),
-    "--out": ("out", str, "run directory to write"),
-    "--ranks": ("ranks", int, "number of workers (num_jobs)"),
-    "--backend": ("backend", str, "inproc | mpi | torch"),
-    "--average-every": ("average_every", int, "minibatches between averaging rounds (K)"),
-    "--average-every-frames": ("average_every_frames", int, "frames between averaging rounds"),
-    "--optimizer": ("optimizer", str, "sgd | ngsgd"),
-    "--lr": ("lr", float, "initial per-frame learning rate of one job"),
-    "--final-lr": ("final_lr", float, "final learning rate (default 0.01 x --lr)"),
-    "--lr-scaling": ("lr_scaling", str, "none | linear (x num_jobs)"),
-    "--schedule": ("schedule", str, "exponential | newbob"),
-    "--pretrain": ("pretrain", str, "none | rbm"),
-    "--minibatch": ("minibatch", int, "frames per minibatch"),
-    "--epochs": ("epochs", int, "passes over the training data"),
-    "--hidden-layers": ("model.hidden_layers", int, "number of hidden layers"),
-    "--hidden-dim": ("model.hidden_dim", int, "units per hidden layer"),
-    "--nonlinearity": ("model.nonlinearity", str, "sigmoid | tanh | relu | pnorm"),
-    "--context": ("data.context", int, "frames of context on each side (splice)"),
-    "--seed": ("seed", int, "random seed"),
-    "--device": ("device", str, "cpu | cuda | cuda:N | auto"),
-    "--threads": ("threads", int, "torch threads per process"),
-    "--checkpoint-every": ("checkpoint_every", int, "averaging rounds between checkpoints"),
-    "--decode-data": ("decode_data", str, "decode this at the end (a data dir, or a corpus with "
-                      "dev/ and test/); summary.json gains wer and per"),
-}
-
-BOOL_FLAGS: dict[str, tuple[str, str]] = {
-    "--skip-mismatched": ("data.skip_mismatched", "drop utterances missing features or alignments"),
-    "--norm-vars": ("data.norm_vars", "CMVN normalises variances too (apply-cmvn --norm-vars)"),
-}
-
-
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a DNN with periodic model averaging",
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
     )
+    from labavg.config import cli_flags
+
     p.add_argument("config", nargs="?", help="TOML configuration file")
-    for flag, (_, kind, text) in TRAIN_FLAGS.items():
-        p.add_argument(flag, type=kind, default=None, help=text)
-    for flag, (key, text) in BOOL_FLAGS.items():
-        p.add_argument(flag, action="store_true", help=text)
+    for flag in cli_flags():  # declared with the settings (labavg.config)
+        if flag.kind is bool:
+            p.add_argument(flag.flag, dest=_dest(flag), action="store_true", help=flag.help)
+        else:
+            p.add_argument(flag.flag, dest=_dest(flag), type=flag.kind, default=None, help=flag.help,
+                           metavar=flag.flag[2:].upper().replace("-", "_"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
@@ -179,6 +146,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dest(flag) -> str:
+    return "setting:" + flag.key
+
+
 def _parse_set(items: list[str]) -> dict[str, Any]:
     import tomllib
 
@@ -196,7 +167,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.config import TrainConfig, load_config, validate, with_overrides
+    from labavg.config import TrainConfig, cli_flags, load_config, validate, with_overrides
     from labavg.runs import load_config_of
 
     if args.resume:
@@ -205,11 +176,11 @@ def train_config(args: argparse.Namespace):
         cfg = load_config(args.config)
     else:
         cfg = TrainConfig()
-    overrides = {key: getattr(args, flag[2:].replace("-", "_"))
-                 for flag, (key, _, _) in TRAIN_FLAGS.items()
-                 if getattr(args, flag[2:].replace("-", "_")) is not None}
-    overrides.update({key: True for flag, (key, _) in BOOL_FLAGS.items()
-                      if getattr(args, flag[2:].replace("-", "_"))})
+    overrides = {}
+    for flag in cli_flags():
+        value = getattr(args, _dest(flag))
+        if value is not None and value is not False:  # only flags the user gave override
+            overrides[flag.key] = value
     overrides.update(_parse_set(args.set))
     if args.resume:
         overrides["out"] = args.resume

@@ -18,9 +18,12 @@ import torch
 
 from labavg.comm.buffers import check_buffer, check_root
 from labavg.comm.devices import select_device
+from labavg.config import BACKENDS as _TRAINING_BACKENDS
 from labavg.errors import UserError
 
-BACKENDS = ("single", "inproc", "mpi", "torch")
+# "single" (one process, no-op collectives) opens without any launcher; the others are the
+# training backends of labavg.config.
+BACKENDS = ("single", *_TRAINING_BACKENDS)
 
 
 @dataclass
