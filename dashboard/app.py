@@ -4,7 +4,8 @@
     labavg dashboard                                                    # the same, via serve()
 
 In JupyterLab: `from dashboard.app import create_app; create_app(runs_dir="runs")` shows it inline.
-Composition only; the state lives in dashboard.state, the pieces in dashboard.components.
+Composition only; the state lives in dashboard.settings, dashboard.live and
+dashboard.runs_table, the pieces in dashboard.components.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ if __name__.startswith("bokeh"):
 import panel as pn  # noqa: E402
 
 from dashboard.components import LivePlots, RunControls, RunsView, settings_panel  # noqa: E402
-from dashboard.state import LiveRun, RunSettings, RunTable  # noqa: E402
+from dashboard.live import LiveRun  # noqa: E402
+from dashboard.runs_table import RunTable  # noqa: E402
+from dashboard.settings import RunSettings  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
 UPDATE_MS = 500  # the page is refreshed twice a second

@@ -19,8 +19,9 @@ import pandas as pd
 import panel as pn
 import param
 
-from dashboard.state import (POINTS_PER_CURVE, TABLE_COLUMNS, LiveRun, RunSettings, RunTable,
-                             describe_config)
+from dashboard.live import POINTS_PER_CURVE, LiveRun
+from dashboard.runs_table import TABLE_COLUMNS, RunTable
+from dashboard.settings import RunSettings, describe_config
 
 PLOT_HEIGHT = 225
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",

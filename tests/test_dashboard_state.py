@@ -16,8 +16,10 @@ import pytest
 # dashboard/ sits beside labavg/ but is not (yet) an installed package: import it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboard.state import (EventTail, LiveRun, RankSeries, RunBuffers, RunSettings, RunTable,
-                             describe_config)
+from dashboard.live import LiveRun, RankSeries, RunBuffers
+from dashboard.runs_table import RunTable
+from dashboard.settings import RunSettings, describe_config
+from labavg.index import EventTail
 from labavg.errors import UserError
 
 

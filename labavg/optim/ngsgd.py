@@ -20,7 +20,6 @@ in float64, as Kaldi does it on the CPU (in double for Z_t).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch

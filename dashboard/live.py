@@ -1,22 +1,16 @@
-"""Dashboard state: settings, the live run, the past runs. Plain `param` classes, no browser needed.
+"""The run on screen: started here through labavg.launch, or followed from its run directory.
 
-The UI (dashboard.components) only reads these objects and calls their methods; every
-blocking thing (training, starting MPI engines) happens on a worker thread, and the UI thread
-drains what the worker queued in a periodic callback.
+Every blocking thing (training, starting MPI engines) happens on a worker thread, and the UI
+thread drains what the worker queued in a periodic callback (`LiveRun.drain`).
 
-    RunSettings   the controls, turned into a validated TrainConfig for the *next* run
-    LiveRun       one run on screen: started here (in-process workers or MPI engines) or
-                  followed from its run directory (monitor mode)
+    LiveRun       one run on screen (in-process workers, MPI engines, or monitor mode)
+    RunBuffers    what the live plots show about it, bounded in memory
     RankSeries    per-rank bounded buffers of one curve, assembled into one row per step/round
-    EventTail     incremental reader of a growing events.jsonl
-    RunTable      the runs found in a runs directory, overlay selection and CSV export
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import json
 import math
 import queue
@@ -29,92 +23,14 @@ from typing import Any
 import numpy as np
 import param
 
-from labavg.config import DataConfig, TrainConfig, to_dict, validate, with_overrides
+from dashboard.settings import RunSettings, new_run_dir
+from labavg.config import TrainConfig, to_dict
 from labavg.errors import UserError, one_line, user_error_of
-from labavg.model import ModelConfig
-from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, effective_k, fill_speedups,  # noqa: F401
-                          list_runs, read_events, run_row)
+from labavg.index import CONFIG, EVENTS, SUMMARY, EventTail
 
-BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 POINTS_PER_CURVE = 5000
 # Pending rows wait this long (in rows) for a late rank before they are emitted with a gap.
 _MAX_PENDING = 64
-
-
-class RunSettings(param.Parameterized):
-    """The controls of the next run. Changing them never touches the run on screen."""
-
-    backend = param.Selector(default="in-process workers", objects=list(BACKEND_LABELS), label="backend",
-                             doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
-    ranks = param.Integer(default=2, bounds=(1, 64), label="ranks", doc="number of workers (num_jobs)")
-    average_every = param.Integer(default=10, bounds=(1, 100000), label="K (average every)",
-                                  doc="minibatches between averaging rounds")
-    lr = param.Number(default=0.008, bounds=(0.0, 10.0), inclusive_bounds=(False, True),
-                      label="learning rate", doc="initial per-frame learning rate of one job")
-    final_lr = param.Number(default=None, allow_None=True, bounds=(0.0, 10.0),
-                            inclusive_bounds=(False, True), label="final lr",
-                            doc="final learning rate; empty: 0.01 x initial")
-    schedule = param.Selector(default="exponential", objects=["exponential", "newbob"], label="schedule")
-    optimizer = param.Selector(default="sgd", objects=["sgd", "ngsgd"], label="optimizer")
-    pretrain = param.Selector(default="none", objects=["none", "rbm"], label="pretrain")
-    minibatch = param.Integer(default=256, bounds=(1, 65536), label="minibatch",
-                              doc="frames per minibatch")
-    epochs = param.Integer(default=2, bounds=(1, 1000), label="epochs")
-    hidden_layers = param.Integer(default=2, bounds=(0, 16), label="hidden layers")
-    hidden_dim = param.Integer(default=256, bounds=(1, 8192), label="hidden units")
-    context = param.Integer(default=5, bounds=(0, 50), label="context", doc="frames of context each side (splice)")
-    data = param.String(default="corpus", label="data directory", doc="built-in corpus directory or a Kaldi data directory")
-    runs_dir = param.String(default="runs", label="runs directory")
-    overrides = param.Dict(default={}, doc="more TrainConfig settings as dotted keys (not shown)")
-
-    def to_config(self, out: str | Path) -> TrainConfig:
-        """The validated TrainConfig of a run written to `out`; UserError names a bad value."""
-        data_dir = Path(self.data).expanduser()
-        if not data_dir.exists():
-            raise UserError(f"data: {data_dir} does not exist (make one with `labavg corpus synth`)")
-        cfg = TrainConfig(
-            out=str(out), backend=BACKEND_LABELS[self.backend], ranks=self.ranks,
-            average_every=self.average_every, lr=self.lr, final_lr=self.final_lr,
-            schedule=self.schedule, optimizer=self.optimizer, pretrain=self.pretrain,
-            minibatch=self.minibatch, epochs=self.epochs, tensorboard=False,
-            model=ModelConfig(hidden_layers=self.hidden_layers, hidden_dim=self.hidden_dim),
-            data=DataConfig(data=str(data_dir), context=self.context),
-        )
-        if self.overrides:
-            cfg = with_overrides(cfg, self.overrides)
-        return validate(cfg)
-
-    def check(self) -> str | None:
-        """What is wrong with the settings as a message, or None when a run could start."""
-        try:
-            self.to_config(Path(self.runs_dir) / "check")
-        except UserError as exc:
-            return str(exc)
-        return None
-
-
-def describe_config(cfg: dict[str, Any]) -> str:
-    """One line saying what a run (given its config dict) trains, for the page header."""
-    model = cfg.get("model", {})
-    data = cfg.get("data", {})
-    final = cfg.get("final_lr")
-    lr = f"lr {cfg.get('lr'):g}" + (f"→{final:g}" if final is not None else "")
-    backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.get("backend"), cfg.get("backend"))
-    return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · "
-            f"{cfg.get('optimizer')} {lr} ({cfg.get('schedule')}) · pretrain {cfg.get('pretrain')} · "
-            f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epochs · "
-            f"{model.get('hidden_layers')}×{model.get('hidden_dim')} · data {Path(str(data.get('data'))).name}")
-
-
-def new_run_dir(runs_dir: Path, ranks: int, average_every: int) -> Path:
-    """A fresh, not yet existing run directory name under `runs_dir` (time, ranks and K)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = f"{stamp}-n{ranks}-k{average_every}"
-    for i in range(1000):
-        candidate = runs_dir / (base if i == 0 else f"{base}-{i}")
-        if not candidate.exists():
-            return candidate
-    raise UserError(f"cannot find a free run directory name under {runs_dir}")
 
 
 class RankSeries:
@@ -404,99 +320,3 @@ def _finish_text(finished: dict[str, Any]) -> str:
         return "no summary"
     return (f"step {finished.get('step')}, CV frame accuracy {100 * finished.get('cv_frame_accuracy', 0):.1f}%, "
             f"{finished.get('wall_seconds', 0):.1f} s")
-
-
-# -- the past runs -------------------------------------------------------------------------
-
-TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "schedule", "pretrain",
-                 "minibatch", "epochs", "model", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss",
-                 "wall_s", "comm_pct", "speedup", "efficiency")
-
-
-def _table_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The dashboard's columns of a `labavg.index.run_row`: percentages, short names."""
-
-    def pct(value):
-        return None if value is None else round(100 * value, 2)
-
-    return {
-        "run": row["run"], "status": row["status"], "backend": row["backend"],
-        "ranks": row["ranks"], "K": row["average_every"], "optimizer": row["optimizer"],
-        "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
-        "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
-        "wer_pct": row["wer"], "per_pct": row["per"],
-        "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
-        "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
-        "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
-    }
-
-
-class RunTable(param.Parameterized):
-    """The runs under `runs_dir`: one row each (config + summary), overlay selection, CSV."""
-
-    runs_dir = param.String(default="runs")
-    rows = param.List(default=[], doc="one dict per run, TABLE_COLUMNS keys, oldest first")
-    selected = param.List(default=[], doc="names of the runs to overlay")
-
-    def __init__(self, **params: Any) -> None:
-        super().__init__(**params)
-        self._configs: dict[str, dict[str, Any]] = {}
-
-    def refresh(self) -> list[dict[str, Any]]:
-        """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
-        records = list_runs(Path(self.runs_dir))
-        rows = [run_row(r.name, r.config, r.summary) for r in records]
-        fill_speedups(rows, records)
-        rows = [_table_row(row) for row in rows]
-        configs = {r.name: r.config for r in records}
-        self._configs = configs
-        self.selected = [name for name in self.selected if name in configs]
-        self.rows = rows
-        return rows
-
-    def config_of(self, name: str) -> dict[str, Any]:
-        """The config dict of run `name`."""
-        return self._configs[name]
-
-    def to_csv(self) -> str:
-        """The table as CSV text (header + one line per run)."""
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(TABLE_COLUMNS), lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self.rows)
-        return out.getvalue()
-
-    def overlay(self) -> dict[str, dict[str, list[float]]]:
-        """For each selected run: its mean training loss by frames trained and its CV accuracy.
-
-        x is frames over all ranks (step x minibatch x ranks) so runs with different numbers
-        of ranks line up.
-        """
-        root = Path(self.runs_dir).expanduser()
-        curves = {}
-        for name in self.selected:
-            config = self._configs.get(name)
-            if config is None:
-                continue
-            scale = config.get("minibatch", 1) * config.get("ranks", 1)
-            sums: dict[int, list[float]] = {}
-            cv_x, cv_y = [], []
-            for event in read_events(root / name) if (root / name / EVENTS).is_file() else []:
-                if event.get("type") == "minibatch":
-                    sums.setdefault(event["step"], []).append(event["loss"])
-                elif event.get("type") == "epoch" and event.get("rank") == 0:
-                    cv_x.append(event["step"] * scale)
-                    cv_y.append(100 * event["cv_frame_accuracy"])
-            steps = sorted(sums)
-            curves[name] = {
-                "frames": [s * scale for s in steps],
-                "loss": [float(np.mean(sums[s])) for s in steps],
-                "cv_frames": cv_x, "cv_acc_pct": cv_y,
-            }
-        return curves
-
-    def scaling(self) -> list[dict[str, Any]]:
-        """(ranks, speedup, efficiency, K, run) of the finished runs with a known speedup."""
-        return [{"ranks": r["ranks"], "speedup": r["speedup"], "efficiency": r["efficiency"],
-                 "K": r["K"], "run": r["run"]}
-                for r in self.rows if r["status"] == "finished" and r["speedup"] is not None]
