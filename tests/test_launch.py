@@ -119,3 +119,20 @@ def test_job_failure_is_an_exit_status(corpus, tmp_path):
         handle.wait(120)
     assert info.value.code != 0 and handle.done()
     assert not (tmp_path / "f" / LAUNCH_FILE).exists()
+
+
+def test_an_in_process_run_leaves_torch_threads_as_they_were(corpus, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 2 if before != 2 else 1
+    torch.set_num_threads(want)
+    try:
+        cfg = small_config(corpus, tmp_path / "th", ranks=1, epochs=1, threads=1)
+        handle = start_run(cfg)
+        while not handle.done():
+            time.sleep(0.01)
+        handle.wait()
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
