@@ -56,7 +56,7 @@ class Sweep:
             keys = list(grid)
             for values in itertools.product(*(grid[k] for k in keys)):
                 overrides = dict(zip(keys, values))
-                name = "-".join(f"{k.split('.')[-1]}_{v}" for k, v in overrides.items()) or "base"
+                name = "-".join(f"{k.split('.')[-1]}_{_label(v)}" for k, v in overrides.items()) or "base"
                 try:
                     identity = repr(sorted(to_dict(with_overrides(self.base, overrides)).items()))
                 except UserError as exc:
@@ -66,6 +66,11 @@ class Sweep:
                 seen.add(identity)
                 out.append((name, overrides))
         return out
+
+
+def _label(value: Any) -> str:
+    """A grid value as part of a run directory's name (a path by its last part)."""
+    return Path(value).name if isinstance(value, str) and "/" in value else str(value)
 
 
 def load_sweep(path: str | Path) -> Sweep:

@@ -160,6 +160,12 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         if (REPO.parent / "shared" / "data" / "kaldi-yesno").is_dir():
             assert "30 transition ids -> 11 pdfs" in text
             assert "train_yesno: 31 utterances, 13-dim MFCC, 11 pdfs" in text
+    if name == "02-single-worker-baseline":
+        result = json.loads((work / "runs/baseline-1rank/decode_test/result.json").read_text())
+        low, high = result["wer_ci"]
+        assert result["acwt_from"] == "dev" and result["utterances"] > 0
+        assert 0.0 <= low <= result["wer"] <= high and math.isfinite(high)  # insertions: >100 % possible
+        assert f"WER {result['wer']:.2f} % (95% CI" in text
     if name == "03-model-averaging-on-mpi-engines":
         for rank in (0, 1):
             assert f"rank {rank}/2 on cpu:" in text, "the %%px cell ran on every engine"

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import kaldiio
@@ -22,26 +21,17 @@ import pytest
 import torch
 
 from labavg import checkpoint
-from labavg.config import TrainConfig, DataConfig, validate
+from labavg.config import TrainConfig, to_dict
 from labavg.data.dataset import open_dataset
 from labavg.data.frames import split_cv
 from labavg.errors import UserError
 from labavg.events import CheckpointSaved, EpochDone
-from labavg.model import ModelConfig
 from labavg.runs import read_events, read_summary, run_dir_lock, run_training
 from labavg.train import train
 
+from test_train import small_config
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def small_config(corpus: Path, out: Path, **changes) -> TrainConfig:
-    cfg = TrainConfig(
-        out=str(out), ranks=2, average_every=3, minibatch=64, epochs=2, lr=0.004,
-        checkpoint_every=2, tensorboard=False,
-        model=ModelConfig(hidden_layers=2, hidden_dim=48),
-        data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
-    )
-    return validate(replace(cfg, **changes))
 
 
 def _cli(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -335,7 +325,7 @@ def _interrupted(cfg: TrainConfig, after_saves: int) -> Path:
             if saved == after_saves:
                 break
     stream.close()
-    (run_dir / "config.json").write_text(json.dumps(__import__("dataclasses").asdict(cfg)))
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg)))
     return run_dir
 
 

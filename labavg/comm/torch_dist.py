@@ -15,6 +15,7 @@ import torch
 from labavg.comm.buffers import check_buffer, check_root
 
 DEFAULT_TIMEOUT_S = 300.0
+LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 
 
 class TorchDistCommunicator:
@@ -33,6 +34,10 @@ class TorchDistCommunicator:
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if os.environ.get("MASTER_ADDR") in LOOPBACK_ADDRESSES:
+                # A local job: gloo would otherwise listen on the address the host name
+                # resolves to, reachable from the network (docs/cluster.md, listening sockets).
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group(

@@ -255,19 +255,21 @@ def _remove_input_labels_above(fst: kaldifst.StdVectorFst, limit: int) -> kaldif
 def compose_hlg(h: kaldifst.StdVectorFst, l: kaldifst.StdVectorFst, g: kaldifst.StdVectorFst,
                 num_pdfs: int) -> kaldifst.StdVectorFst:
     """HLG = rmsymbols(det(H o min(det(L o G)))), minimised, as mkgraph.sh does."""
-    kaldifst.arcsort(l, sort_type="olabel")
-    kaldifst.arcsort(g, sort_type="ilabel")
-    lg = kaldifst.compose(l, g)
-    kaldifst.determinize_star(lg, use_log=True)
+    lg = _compose_determinized(l, g)
     kaldifst.minimize_encoded(lg)
-    kaldifst.arcsort(lg, sort_type="ilabel")
-    kaldifst.arcsort(h, sort_type="olabel")
-    hlg = kaldifst.compose(h, lg)
-    kaldifst.determinize_star(hlg, use_log=True)
-    hlg = _remove_input_labels_above(hlg, num_pdfs)
+    hlg = _remove_input_labels_above(_compose_determinized(h, lg), num_pdfs)
     kaldifst.minimize_encoded(hlg)
     kaldifst.arcsort(hlg, sort_type="ilabel")
     return hlg
+
+
+def _compose_determinized(a: kaldifst.StdVectorFst, b: kaldifst.StdVectorFst) -> kaldifst.StdVectorFst:
+    """det(a o b), in the log semiring as Kaldi's fsttablecompose + fstdeterminizestar do."""
+    kaldifst.arcsort(a, sort_type="olabel")
+    kaldifst.arcsort(b, sort_type="ilabel")
+    ab = kaldifst.compose(a, b)
+    kaldifst.determinize_star(ab, use_log=True)
+    return ab
 
 
 def phone_bigram_counts(topology: dict[str, Any], sequences: list[list[int]]) -> list[list[float]]:
@@ -305,10 +307,7 @@ def phone_bigram_g(topology: dict[str, Any], counts: list[list[float]]) -> kaldi
 
 def compose_phone_loop(h: kaldifst.StdVectorFst, g: kaldifst.StdVectorFst) -> kaldifst.StdVectorFst:
     """det(H o G) of a phone grammar G (no disambiguation needed: G is deterministic)."""
-    kaldifst.arcsort(h, sort_type="olabel")
-    kaldifst.arcsort(g, sort_type="ilabel")
-    hg = kaldifst.compose(h, g)
-    kaldifst.determinize_star(hg, use_log=True)
+    hg = _compose_determinized(h, g)
     kaldifst.minimize_encoded(hg)
     kaldifst.arcsort(hg, sort_type="ilabel")
     return hg
