@@ -28,7 +28,7 @@ from bokeh.document import Document  # noqa: E402
 from bokeh.protocol import Protocol  # noqa: E402
 
 from dashboard.components import LivePlots  # noqa: E402
-from dashboard.state import LiveRun  # noqa: E402
+from dashboard.live import LiveRun  # noqa: E402
 
 
 def synthetic_events(ranks: int, first_step: int, steps: int, rng: np.random.Generator) -> list[dict]:

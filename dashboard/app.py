@@ -4,7 +4,8 @@
     labavg dashboard                                                    # the same, via serve()
 
 In JupyterLab: `from dashboard.app import create_app; create_app(runs_dir="runs")` shows it inline.
-Composition only; the state lives in dashboard.state, the pieces in dashboard.components.
+Composition only; the state lives in dashboard.settings, dashboard.live and
+dashboard.runs_table, the pieces in dashboard.components.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ if __name__.startswith("bokeh"):
 
 import panel as pn  # noqa: E402
 
-from dashboard.components import LivePlots, RunControls, RunsView, settings_panel  # noqa: E402
-from dashboard.state import LiveRun, RunSettings, RunTable  # noqa: E402
+from dashboard.components import LivePlots, RunControls, RunsView, SettingsPanel  # noqa: E402
+from dashboard.live import LiveRun  # noqa: E402
+from dashboard.runs_table import RunTable  # noqa: E402
+from dashboard.settings import RunSettings  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
 UPDATE_MS = 500  # the page is refreshed twice a second
@@ -55,28 +58,12 @@ class Dashboard:
 
     def view(self) -> pn.template.FastListTemplate:
         """The page: settings in the sidebar; live plots, runs and scaling in tabs."""
-        p = self.plots.panes
-        live = pn.Column(
-            pn.Row(p["loss"], p["divergence"], sizing_mode="stretch_width"),
-            pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
-            sizing_mode="stretch_width",
-        )
-        runs = pn.Column(
-            pn.Row(pn.pane.Markdown("Tick runs to overlay them below.", margin=(8, 10)),
-                   pn.layout.HSpacer(), self.runs.refresh_button, self.runs.download),
-            self.runs.tabulator, self.runs.overlay, sizing_mode="stretch_width",
-        )
-        scaling = pn.Column(
-            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same configuration / "
-                             "wall time with N ranks; efficiency = speedup / N.", margin=(8, 10)),
-            self.runs.scaling, sizing_mode="stretch_width",
-        )
-        tabs = pn.Tabs(("Live", live), ("Runs", runs), ("Scaling", scaling), dynamic=False,
-                       sizing_mode="stretch_width")
+        tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.runs.scaling_view()),
+                       dynamic=False, sizing_mode="stretch_width")
         return pn.template.FastListTemplate(
             title=TITLE,
-            sidebar=[self.controls.buttons(), settings_panel(self.settings)],
-            main=[pn.Column(self.controls.status, tabs, sizing_mode="stretch_width")],
+            sidebar=[self.controls, SettingsPanel(self.settings)],
+            main=[pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")],
             sidebar_width=330, header_background="#2f4f6f", accent_base_color="#2f4f6f",
             main_layout=None,
         )

@@ -19,8 +19,9 @@ import pandas as pd
 import panel as pn
 import param
 
-from dashboard.state import (POINTS_PER_CURVE, TABLE_COLUMNS, LiveRun, RunSettings, RunTable,
-                             describe_config)
+from dashboard.live import POINTS_PER_CURVE, LiveRun
+from dashboard.runs_table import TABLE_COLUMNS, RunTable
+from dashboard.settings import RunSettings, describe_config
 
 PLOT_HEIGHT = 225
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -111,7 +112,7 @@ class StreamedCurves:
             figure.y_range.update(start=y0 - pad, end=y1 + pad)
 
 
-class LivePlots(param.Parameterized):
+class LivePlots(pn.viewable.Viewer):
     """The live plots of the run on screen; `update` streams what `LiveRun.drain` collected."""
 
     def __init__(self, live: LiveRun, maxlen: int = POINTS_PER_CURVE, **params: Any) -> None:
@@ -158,6 +159,15 @@ class LivePlots(param.Parameterized):
             self.panes[name].object = getattr(self, name).element
         self.panes["cv"].object = hv.DynamicMap(cv, streams=[self.cv_pipe])
         self._cv_count = 0
+
+    def __panel__(self) -> pn.Column:
+        """Loss and divergence, then compute vs communication, frames/s and CV accuracy."""
+        p = self.panes
+        return pn.Column(
+            pn.Row(p["loss"], p["divergence"], sizing_mode="stretch_width"),
+            pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+        )
 
     def update(self) -> int:
         """Stream the rows collected since the last call; returns how many rows were sent."""
@@ -236,7 +246,7 @@ def overlay_plot(curves: dict[str, dict[str, list[float]]]) -> hv.Layout:
     ).opts(shared_axes=False)
 
 
-class RunsView(param.Parameterized):
+class RunsView(pn.viewable.Viewer):
     """The runs table (Tabulator, checkbox selection to overlay), CSV download, scaling plots."""
 
     def __init__(self, table: RunTable, **params: Any) -> None:
@@ -257,6 +267,22 @@ class RunsView(param.Parameterized):
         self.refresh_button.on_click(lambda _: self.refresh())
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
         self.scaling = pn.pane.HoloViews(scaling_plot([]), sizing_mode="stretch_width")
+
+    def __panel__(self) -> pn.Column:
+        """The runs table with its buttons, and the overlay of the selected runs."""
+        return pn.Column(
+            pn.Row(pn.pane.Markdown("Tick runs to overlay them below.", margin=(8, 10)),
+                   pn.layout.HSpacer(), self.refresh_button, self.download),
+            self.tabulator, self.overlay, sizing_mode="stretch_width",
+        )
+
+    def scaling_view(self) -> pn.Column:
+        """Speedup and efficiency against ranks, of the runs with a 1-rank baseline."""
+        return pn.Column(
+            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same configuration / "
+                             "wall time with N ranks; efficiency = speedup / N.", margin=(8, 10)),
+            self.scaling, sizing_mode="stretch_width",
+        )
 
     def _csv(self) -> io.StringIO:
         return io.StringIO(self.table.to_csv())
@@ -279,6 +305,17 @@ class RunsView(param.Parameterized):
 
 SETTINGS_ORDER = ("backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
                   "pretrain", "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
+
+
+class SettingsPanel(pn.viewable.Viewer):
+    """The controls of the next run (`RunSettings`)."""
+
+    def __init__(self, settings: RunSettings, **params: Any) -> None:
+        super().__init__(**params)
+        self.settings = settings
+
+    def __panel__(self) -> pn.Column:
+        return settings_panel(self.settings)
 
 
 def settings_panel(settings: RunSettings) -> pn.Column:
@@ -305,7 +342,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
                      sizing_mode="stretch_width")
 
 
-class RunControls(param.Parameterized):
+class RunControls(pn.viewable.Viewer):
     """Start / Stop / Follow buttons and the status and run-configuration lines."""
 
     def __init__(self, settings: RunSettings, live: LiveRun, **params: Any) -> None:
@@ -340,7 +377,11 @@ class RunControls(param.Parameterized):
             on_screen = f"On screen: `{Path(self.live.run_dir).name}` — {describe_config(self.live.config)}."
         return f"**{icon} {self.live.status}**  \n{on_screen} _Settings changes apply to the next run._"
 
-    def buttons(self) -> pn.Column:
+    def status_view(self) -> pn.pane.Markdown:
+        """The status line and what the run on screen is, kept up to date."""
+        return self.status
+
+    def __panel__(self) -> pn.Column:
         """Start/Stop side by side, then the monitor-mode input."""
         return pn.Column(pn.Row(self.start_button, self.stop_button, sizing_mode="stretch_width"),
                          pn.Row(self.follow_input, self.follow_button,

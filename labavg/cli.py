@@ -16,49 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from labavg.errors import PeerFailed, UserError, one_line, user_error_of
-
-# CLI flag -> dotted TrainConfig key. Only flags the user gave override the config file.
-TRAIN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--data": ("data.data", str, "Kaldi data directory or feature rspecifier"),
-    "--ali": ("data.ali", str, "rspecifier of pdf-id alignments (ark:..., scp:..., ark:...|)"),
-    "--ali-dir": ("data.ali_dir", str, "alignment directory with ali.*.gz and final.mdl"),
-    "--textgrid": ("data.textgrid", str, "TextGrid file or directory of <utt>.TextGrid phone tiers"),
-    "--out": ("out", str, "run directory to write"),
-    "--ranks": ("ranks", int, "number of workers (num_jobs)"),
-    "--backend": ("backend", str, "inproc | mpi | torch"),
-    "--average-every": ("average_every", int, "minibatches between averaging rounds (K)"),
-    "--average-every-frames": ("average_every_frames", int, "frames between averaging rounds"),
-    "--optimizer": ("optimizer", str, "sgd | ngsgd"),
-    "--lr": ("lr", float, "initial per-frame learning rate of one job"),
-    "--final-lr": ("final_lr", float, "final learning rate (default 0.01 x --lr)"),
-    "--lr-scaling": ("lr_scaling", str, "none | linear (x num_jobs)"),
-    "--schedule": ("schedule", str, "exponential | newbob"),
-    "--pretrain": ("pretrain", str, "none | rbm"),
-    "--minibatch": ("minibatch", int, "frames per minibatch"),
-    "--epochs": ("epochs", int, "passes over the training data"),
-    "--hidden-layers": ("model.hidden_layers", int, "number of hidden layers"),
-    "--hidden-dim": ("model.hidden_dim", int, "units per hidden layer"),
-    "--nonlinearity": ("model.nonlinearity", str, "sigmoid | tanh | relu | pnorm"),
-    "--context": ("data.context", int, "frames of context on each side (splice)"),
-    "--seed": ("seed", int, "random seed"),
-    "--device": ("device", str, "cpu | cuda | cuda:N | auto"),
-    "--threads": ("threads", int, "torch threads per process"),
-    "--checkpoint-every": ("checkpoint_every", int, "averaging rounds between checkpoints"),
-    "--decode-data": ("decode_data", str, "decode this at the end (a data dir, or a corpus with "
-                      "dev/ and test/); summary.json gains wer and per"),
-}
-
-BOOL_FLAGS: dict[str, tuple[str, str]] = {
-    "--skip-mismatched": ("data.skip_mismatched", "drop utterances missing features or alignments"),
-    "--norm-vars": ("data.norm_vars", "CMVN normalises variances too (apply-cmvn --norm-vars)"),
-}
-
 
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
@@ -66,11 +28,15 @@ def _add_train_parser(sub) -> None:
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
     )
+    from labavg.config import cli_flags
+
     p.add_argument("config", nargs="?", help="TOML configuration file")
-    for flag, (_, kind, text) in TRAIN_FLAGS.items():
-        p.add_argument(flag, type=kind, default=None, help=text)
-    for flag, (key, text) in BOOL_FLAGS.items():
-        p.add_argument(flag, action="store_true", help=text)
+    for flag in cli_flags():  # declared with the settings (labavg.config)
+        if flag.kind is bool:
+            p.add_argument(flag.flag, dest=_dest(flag), action="store_true", help=flag.help)
+        else:
+            p.add_argument(flag.flag, dest=_dest(flag), type=flag.kind, default=None, help=flag.help,
+                           metavar=flag.flag[2:].upper().replace("-", "_"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
@@ -79,6 +45,8 @@ def _add_train_parser(sub) -> None:
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # How a launcher (labavg.launch) hands its ranks their configuration: not for people.
+    p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
 
@@ -180,6 +148,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dest(flag) -> str:
+    return "setting:" + flag.key
+
+
 def _parse_set(items: list[str]) -> dict[str, Any]:
     import tomllib
 
@@ -197,7 +169,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.config import TrainConfig, load_config, validate, with_overrides
+    from labavg.config import TrainConfig, cli_flags, load_config, validate, with_overrides
     from labavg.runs import load_config_of
 
     if args.resume:
@@ -206,11 +178,11 @@ def train_config(args: argparse.Namespace):
         cfg = load_config(args.config)
     else:
         cfg = TrainConfig()
-    overrides = {key: getattr(args, flag[2:].replace("-", "_"))
-                 for flag, (key, _, _) in TRAIN_FLAGS.items()
-                 if getattr(args, flag[2:].replace("-", "_")) is not None}
-    overrides.update({key: True for flag, (key, _) in BOOL_FLAGS.items()
-                      if getattr(args, flag[2:].replace("-", "_"))})
+    overrides = {}
+    for flag in cli_flags():
+        value = getattr(args, _dest(flag))
+        if value is not None and value is not False:  # only flags the user gave override
+            overrides[flag.key] = value
     overrides.update(_parse_set(args.set))
     if args.resume:
         overrides["out"] = args.resume
@@ -220,26 +192,34 @@ def train_config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from labavg.comm.world import detect_launcher, launcher_rank, mpiexec_command
+    from labavg.comm.launchers import detect_launcher, launcher_rank
+    from labavg.launch import JobFailed, rank_config, start_run
     from labavg.runs import format_table, run_training
 
     try:
-        cfg = train_config(args)
+        if args.config_json:  # a rank of a job labavg.launch started
+            cfg, resume, stop_file = rank_config(args.config_json)
+        else:
+            cfg, resume, stop_file = train_config(args), bool(args.resume), None
     except UserError as exc:
         if detect_launcher() is not None and launcher_rank() > 0:
             # Every rank parses the same flags and files: rank 0 alone says what is wrong.
             raise PeerFailed(str(exc)) from None
         raise
-    resume = bool(args.resume)
-    if cfg.backend == "mpi" and detect_launcher() is None and cfg.ranks > 1:
-        # Start mpiexec ourselves; the ranks see the launcher and train.
-        argv = ["-m", "labavg", *sys.argv[1:]]
-        return launch_mpi(cfg, mpiexec_command(cfg.ranks, argv, hosts=args.hosts),
-                          resume=resume, allow_pipes=args.allow_pipes)
-    if cfg.backend == "torch" and detect_launcher() != "torch":
+    progress = not args.no_progress
+    if cfg.backend == "torch" and detect_launcher() == "mpi":
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
-    summary = run_training(cfg, resume=resume, progress=not args.no_progress,
-                           allow_pipes=args.allow_pipes)
+    if detect_launcher() is not None or args.config_json:
+        # This process is one rank of a job that mpiexec, srun, torchrun or labavg started.
+        should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
+        summary = run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
+                               allow_pipes=args.allow_pipes)
+    else:
+        try:
+            summary = start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
+                                hosts=args.hosts, progress=progress).wait()
+        except JobFailed as exc:  # its ranks have said why
+            return exc.code
     if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
@@ -270,134 +250,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from labavg.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep_file)
-    rows = run_sweep(sweep, Path(args.out), train_point=_train_point)
+    rows = run_sweep(sweep, Path(args.out))
     print((Path(args.out) / "results.md").read_text())
     print(f"{len(rows)} runs in {args.out}/runs; tables in {args.out}/results.csv and results.md")
     return 0
-
-
-def _train_point(cfg, resume: bool) -> None:
-    """One sweep point: in this process, or under mpiexec for the mpi backend."""
-    from labavg.comm.world import mpiexec_command
-    from labavg.config import to_dict
-    from labavg.runs import run_training
-
-    if cfg.backend == "inproc" or cfg.ranks == 1 and cfg.backend == "mpi":
-        run_training(cfg, resume=resume, progress=False)
-        return
-    if cfg.backend != "mpi":
-        raise UserError(f"labavg sweep runs backends inproc and mpi; got {cfg.backend!r}")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # The point's full configuration travels as JSON-in-TOML-free form: a --set per leaf.
-    argv = ["-m", "labavg", "train", "--no-progress", *_set_flags(to_dict(cfg))]
-    if resume:
-        argv += ["--resume", str(out)]
-    code = launch_mpi(cfg, mpiexec_command(cfg.ranks, argv), resume=resume)
-    if code != 0:
-        raise UserError(f"sweep point {out} failed (exit status {code})")
-
-
-def _set_flags(values: dict[str, Any], prefix: str = "") -> list[str]:
-    flags = []
-    for key, value in values.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flags += _set_flags(value, dotted + ".")
-        elif value is not None:
-            flags += ["--set", f"{dotted}={json.dumps(value)}"]
-    return flags
-
-
-def launch_mpi(cfg, command: list[str], *, resume: bool = False, allow_pipes: bool = False) -> int:
-    """Check what can be checked once, then run the job under mpiexec; its exit status.
-
-    This process holds the run directory's lock for the job and owns it: mpiexec is told to
-    end (SIGTERM, on which hydra ends every rank) when this process dies, however it dies.
-    """
-    from labavg.runs import LOCK_HELD_ENV, preflight, run_dir_lock
-
-    run_dir = Path(cfg.out)
-    with run_dir_lock(run_dir):
-        preflight(cfg, resume=resume, allow_pipes=allow_pipes)
-        env = {**os.environ, LOCK_HELD_ENV: str(run_dir.resolve())}
-        return _run_mpiexec(command, run_dir, env)
-
-
-def _end_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
-# What hydra and MPICH print about a failed job, which labavg's own message replaces.
-_HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
-                "application called MPI_Abort")
-
-
-def _run_mpiexec(command: list[str], run_dir: Path, env: dict[str, str] | None = None) -> int:
-    """Run mpiexec, passing its output through; on failure say once which rank failed and where."""
-    import re
-    import threading
-
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, preexec_fn=_end_with_parent if sys.platform == "linux" else None)
-    lost_pids: set[int] = set()
-    errors: list[str] = []
-
-    def relay_stderr() -> None:
-        for line in proc.stderr:
-            if line.startswith("labavg: error:"):
-                # Every rank that met the same error says so: print it once.
-                message = re.sub(r"^labavg: error: rank \d+: ", "labavg: error: ", line)
-                if message in errors:
-                    continue
-                errors.append(message)
-            elif any(mark in line for mark in _HYDRA_NOISE):
-                continue
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-    relay = threading.Thread(target=relay_stderr, daemon=True)
-    relay.start()
-    for line in proc.stdout:
-        # Hydra reports a lost process ("PID n RUNNING AT host") in a banner on stdout.
-        lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
-        if any(line.startswith(mark) for mark in _HYDRA_NOISE):
-            continue
-        sys.stdout.write(line)
-        sys.stdout.flush()
-    code = proc.wait()
-    relay.join()
-    if code != 0 and not errors:
-        print(f"labavg: error: the MPI job failed (exit status {code}); "
-              f"{_lost_ranks(run_dir, lost_pids)}{_last_steps(run_dir)}", file=sys.stderr)
-    return code
-
-
-def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
-    """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
-    from labavg.runs import EVENTS, read_events
-
-    if not pids or not (run_dir / EVENTS).is_file():
-        return ""
-    ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
-    return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
-
-
-def _last_steps(run_dir: Path) -> str:
-    """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
-    from labavg.runs import EVENTS, read_events
-
-    if not (run_dir / EVENTS).is_file():
-        return "no rank logged any event"
-    last: dict[int, int] = {}
-    for event in read_events(run_dir):
-        if "step" in event:
-            last[event["rank"]] = max(last.get(event["rank"], 0), event["step"])
-    return ", ".join(f"rank {r} last event at step {s}" for r, s in sorted(last.items()))
 
 
 def cmd_decode(args: argparse.Namespace) -> int:

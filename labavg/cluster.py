@@ -1,11 +1,12 @@
 """An ipyparallel cluster of MPI engines that runs `labavg.runs.run_training` on every rank.
 
-Used by notebooks and the dashboard; it never re-implements training. The pieces:
+Used by notebooks and the dashboard (through labavg.launch); it never re-implements training.
+This is the client side; what runs inside the engines is labavg.engine. The pieces:
 
 * `Cluster.start(n)` starts an ipyparallel controller and `n` engines under the venv's MPICH
   `mpiexec` (engines="mpi"), all on 127.0.0.1; `Cluster.attach()` connects to a running
   `ipcluster start --engines=mpi`. Every engine reports its MPI rank and binds its device by
-  local rank (`labavg.comm.world.select_device`); `cluster.view` is a DirectView in rank order.
+  local rank (`labavg.comm.devices.select_device`); `cluster.view` is a DirectView in rank order.
 * `cluster.submit(cfg)` sends the config as a plain dict to every engine, which runs
   `run_training` in a background thread (the engine stays free for `stop()` and `%px`) and
   streams its events back as ipyparallel data messages (datapub). The returned `RunHandle`
@@ -20,22 +21,20 @@ collective, so a silent heartbeat means a dead or frozen process, not a slow ste
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import statistics
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from labavg.config import TrainConfig, to_dict
+from labavg import engine
+from labavg.engine import ALIVE
 from labavg.errors import UserError
 
-ALIVE = "alive"
-_RUNS_KEY = "_labavg_runs"  # name of the engine-namespace dict holding an engine's runs
 _POLL_SECONDS = 0.05
 
 
@@ -49,169 +48,19 @@ class RunError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-# ---------------------------------------------------------------------------------------------
-# Engine side: these functions run inside the engines (sent by reference, as labavg is
-# importable there); their state lives in the engine's user namespace, like a %px variable.
-
-
-def _engine_namespace() -> dict[str, Any]:
-    from IPython import get_ipython
-
-    return get_ipython().user_ns
-
-
-def bind_engine(device: str) -> dict[str, Any]:
-    """On an engine: MPI rank, local rank and the bound device (collective over COMM_WORLD).
-
-    Also sets `rank`, `size`, `local_rank` and `device` in the engine's namespace for %px cells.
-    """
-    import torch
-
-    from labavg.comm.mpi import MpiCommunicator
-    from labavg.comm.world import select_device
-
-    comm = MpiCommunicator()
-    bound = select_device(device, comm.local_rank)
-    if bound.type == "cuda":
-        torch.cuda.set_device(bound)
-    _engine_namespace().update(rank=comm.rank, size=comm.size, local_rank=comm.local_rank, device=bound)
-    return {"rank": comm.rank, "size": comm.size, "local_rank": comm.local_rank,
-            "host": socket.gethostname(), "pid": os.getpid(), "device": str(bound)}
-
-
-def mpi_world_size() -> int:
-    """On an engine: the size of MPI_COMM_WORLD (not collective)."""
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_size()
-
-
-class EngineRun:
-    """One engine's part of a run: a training thread and a publisher thread.
-
-    The publisher sends `ZMQDataPublisher.publish_data` messages (what
-    `ipyparallel.datapub.publish_data` sends) with the parent header of the submitting request
-    pinned: the shell's own publisher re-parents to whatever request the engine handles next
-    (a stop, a %px cell), which would file later events under that request instead.
-    """
-
-    def __init__(self, run_id: str, cfg_dict: dict[str, Any], rank: int, heartbeat: float):
-        from ipyparallel.engine.datapub import ZMQDataPublisher
-        from IPython import get_ipython
-
-        kernel = get_ipython().kernel
-        self.run_id, self.rank, self.heartbeat = run_id, rank, heartbeat
-        self.cfg_dict = cfg_dict
-        self.stop_requested = threading.Event()
-        self._publisher = ZMQDataPublisher(session=kernel.session, pub_socket=kernel.iopub_socket)
-        self._publisher.set_parent(kernel.get_parent("shell"))
-        self._cond = threading.Condition()
-        self._pending: list[dict[str, Any]] = []
-        self._final: dict[str, Any] | None = None
-        self._threads = [
-            threading.Thread(target=self._train, name=f"labavg-train-{run_id}", daemon=True),
-            threading.Thread(target=self._publish, name=f"labavg-publish-{run_id}", daemon=True),
-        ]
-
-    def start(self) -> None:
-        """Start training and publishing."""
-        for thread in self._threads:
-            thread.start()
-
-    def alive(self) -> bool:
-        """Whether the run's threads are still going."""
-        return any(thread.is_alive() for thread in self._threads)
-
-    def _on_event(self, event) -> None:
-        record = event.to_dict()
-        record["t_created"] = time.time()
-        with self._cond:
-            self._pending.append(record)
-            self._cond.notify()
-
-    def _train(self) -> None:
-        from labavg.config import config_from_dict
-        from labavg.runs import run_training
-
-        try:
-            cfg = config_from_dict(self.cfg_dict, "submitted config")
-            summary = run_training(cfg, progress=False, on_event=self._on_event,
-                                   should_stop=self.stop_requested.is_set)
-            final = {"status": "done", "summary": summary}
-        except BaseException as exc:  # noqa: BLE001 - reported to the client, which raises it
-            final = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()}
-        with self._cond:
-            self._final = final
-            self._cond.notify()
-
-    def _publish(self) -> None:
-        seq = beat = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._final is not None, self.heartbeat)
-                events, self._pending = self._pending, []
-                final = self._final
-            beat += 1
-            data: dict[str, Any] = {
-                f"{self.run_id}/{ALIVE}": {"rank": self.rank, "beat": beat, "seq": seq, "t": time.time()}
-            }
-            if events or final is not None:
-                data[f"{self.run_id}/{seq:09d}"] = {"rank": self.rank, "seq": seq, "events": events,
-                                                    "final": final, "t_sent": time.time()}
-                seq += 1
-            self._publisher.publish_data(data)
-            if final is not None:
-                return
-
-
-def start_run(run_id: str, cfg_dict: dict[str, Any], heartbeat: float) -> dict[str, Any]:
-    """On an engine: start this rank's part of run `run_id` in the background and return at once."""
-    from mpi4py import MPI
-
-    runs = _engine_namespace().setdefault(_RUNS_KEY, {})
-    busy = [rid for rid, run in runs.items() if run.alive()]
-    if busy:
-        raise RuntimeError(f"run {busy[0]} is still running on this engine")
-    rank = MPI.COMM_WORLD.Get_rank()
-    run = runs[run_id] = EngineRun(run_id, cfg_dict, rank, heartbeat)
-    run.start()
-    return {"rank": rank, "pid": os.getpid(), "run_id": run_id}
-
-
-def request_stop(run_id: str) -> bool:
-    """On an engine: ask run `run_id` to stop at its next averaging point; False if unknown."""
-    run = _engine_namespace().get(_RUNS_KEY, {}).get(run_id)
-    if run is None:
-        return False
-    run.stop_requested.set()
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Client side.
-
-
 def mpi_launcher_config(extra_args: list[str] | None = None):
     """traitlets Config making ipyparallel's MPI engine launcher run the venv's MPICH locally.
 
-    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation, and the
-    LOOPBACK_HYDRA_ARGS / LOOPBACK_MPICH_ENV settings keep hydra's proxy connection and rank
-    traffic on 127.0.0.1. With `-disable-auto-cleanup`
-    hydra does not kill the other ranks at once when one dies: they end when their next
-    collective fails, or hang, so the client sees the dead rank go first and can name it
-    (`RunHandle.kill` ends the rest).
+    The options are those of `labavg.comm.launchers.local_mpiexec_args`, without hydra's
+    auto-cleanup: when one rank dies the others end when their next collective fails, or hang,
+    so the client sees the dead rank go first and can name it (`RunHandle.kill` ends the rest).
     """
     from traitlets.config import Config
 
-    from labavg.comm.world import LOOPBACK_HYDRA_ARGS, LOOPBACK_MPICH_ENV, find_mpiexec
+    from labavg.comm.launchers import find_mpiexec, local_mpiexec_args
 
     mpiexec = find_mpiexec()
-    args: list[str] = []
-    if (mpiexec.parent / "hydra_pmi_proxy").exists():  # MPICH's hydra, as comm.world checks
-        args += ["-launcher", "fork", *LOOPBACK_HYDRA_ARGS, "-disable-auto-cleanup"]
-        for name, value in LOOPBACK_MPICH_ENV.items():
-            args += ["-genv", name, value]
+    args = local_mpiexec_args(mpiexec, auto_cleanup=False)
     config = Config()
     config.MPIEngineSetLauncher.mpi_cmd = [str(mpiexec)]
     config.MPIEngineSetLauncher.mpi_args = args + list(extra_args or [])
@@ -324,14 +173,14 @@ class Cluster:
             ids = list(self.client.ids)
             if n is None and ids:
                 # binding is collective over COMM_WORLD: wait for every rank of the world
-                n = self.client[ids[0]].apply_async(mpi_world_size).get(timeout=self._timeout)
+                n = self.client[ids[0]].apply_async(engine.mpi_world_size).get(timeout=self._timeout)
             if n is not None and len(ids) >= n:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"only {len(ids)} of {n or 'the'} engines registered in {self._timeout:.0f} s")
             time.sleep(0.1)
-        infos = self.client[ids].apply_async(bind_engine, self.device).get(timeout=self._timeout)
+        infos = self.client[ids].apply_async(engine.bind_engine, self.device).get(timeout=self._timeout)
         for engine_id, info in zip(ids, infos):
             info["engine_id"] = engine_id
         self._infos = sorted(infos, key=lambda info: info["rank"])
@@ -403,10 +252,11 @@ class Cluster:
 
     # -- runs
 
-    def submit(self, cfg: TrainConfig, *, heartbeat: float = 0.5,
+    def submit(self, cfg: TrainConfig, *, resume: bool = False, heartbeat: float = 0.5,
                silence_timeout: float = 15.0) -> RunHandle:
         """Start `cfg` on all engines (cfg.backend must be "mpi") and return its handle at once.
 
+        `resume` continues cfg.out from its last checkpoint.
         `silence_timeout`: seconds without a heartbeat after which an engine counts as dead.
         """
         if cfg.backend != "mpi":
@@ -420,14 +270,15 @@ class Cluster:
             raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
         run_id = uuid.uuid4().hex[:12]
         cfg_dict = to_dict(cfg)
-        results = [self.client[info["engine_id"]].apply_async(start_run, run_id, cfg_dict, heartbeat)
+        results = [self.client[info["engine_id"]].apply_async(engine.start_run, run_id, cfg_dict,
+                                                              heartbeat, resume)
                    for info in self._infos]
         self._run = RunHandle(self, run_id, results, self.info(), silence_timeout=silence_timeout)
         return self._run
 
     def request_stop(self, run_id: str) -> None:
         """Set the stop flag of run `run_id` on every engine."""
-        self.client[self.engine_ids].apply_async(request_stop, run_id).get(timeout=self._timeout)
+        self.client[self.engine_ids].apply_async(engine.request_stop, run_id).get(timeout=self._timeout)
 
     def restart(self) -> None:
         """Hard-stop the engines (SIGTERM, then SIGKILL) and start and bind fresh ones.

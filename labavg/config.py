@@ -1,4 +1,9 @@
-"""Run configuration: plain dataclasses, loaded from TOML and overridden by CLI flags.
+"""Run configuration: the one place a setting is declared.
+
+Every setting is a dataclass field here, with its default, its help text, its rule (choices,
+bounds) and, for the common ones, its command-line flag, in the field's metadata (`setting`).
+`validate` checks the rules, `labavg train`'s flags (`cli_flags`) and the dashboard's
+controls (`dashboard.settings`) are generated from them. This module imports no torch.
 
 A TOML file holds the training keys at the top level and one table per part:
 `[model]`, `[data]`, `[ngsgd]`, `[rbm]`, `[newbob]`. Files are parsed, never executed.
@@ -20,91 +25,14 @@ from typing import Any
 
 from labavg.errors import UserError
 from labavg.faults import parse_fault
-from labavg.model import NONLINEARITIES, ModelConfig, parameter_count
-from labavg.optim.ngsgd import NGConfig
-from labavg.rbm import RBMConfig
-from labavg.schedules import NEWBOB_CRITERIA, NewbobConfig
 
 BACKENDS = ("inproc", "mpi", "torch")
 OPTIMIZERS = ("sgd", "ngsgd")
 SCHEDULES = ("exponential", "newbob")
 PRETRAIN = ("none", "rbm")
 LR_SCALING = ("none", "linear")
-
-
-@dataclass
-class DataConfig:
-    """Where the frames come from and how they are cut into minibatches.
-
-    `data` is a Kaldi data directory (feats.scp, cmvn.scp, utt2spk, ...) or a feature
-    rspecifier. Labels come from `ali` (an rspecifier of pdf-id vectors), `ali_dir`
-    (ali.*.gz + final.mdl, transition ids mapped to pdfs) or `textgrid` (TextGrid phone tiers);
-    with none of them, a built-in corpus directory's own `pdf_ali.ark` is used.
-    """
-
-    data: str = "corpus"
-    ali: str | None = None
-    ali_dir: str | None = None
-    textgrid: str | None = None
-    context: int = 5  # splice +-5 frames, as Kaldi nnet1
-    cv_fraction: float = 0.1  # held-out utterances, as Kaldi nnet1
-    buffer_frames: int = 32768  # nnet1's --randomizer-size
-    apply_cmvn: bool = True
-    norm_vars: bool = False
-    skip_mismatched: bool = False
-
-
-@dataclass
-class TrainConfig:
-    """Everything one training run needs. Defaults follow the paper where CPU time allows."""
-
-    out: str = "runs/run"
-    backend: str = "inproc"
-    ranks: int = 1
-    average_every: int = 10  # minibatches between averaging rounds (paper: 10 x 1024 frames)
-    average_every_frames: int | None = None  # if set, K = round(frames / minibatch)
-    optimizer: str = "ngsgd"  # the paper trains with natural-gradient SGD
-    lr: float = 0.008  # per-frame learning rate of one job (nnet1's default)
-    final_lr: float | None = None  # default 0.01 x initial, as in the paper
-    lr_scaling: str = "linear"  # effective lr x num_jobs, as the paper and Kaldi
-    schedule: str = "exponential"
-    pretrain: str = "none"
-    minibatch: int = 256
-    epochs: int = 2
-    seed: int = 0
-    device: str = "cpu"
-    threads: int = 1  # torch threads per process
-    max_change_per_sample: float = 0.075
-    max_param_change: float = 2.0
-    checkpoint_every: int = 50  # averaging rounds between checkpoints (and at each epoch end)
-    log_every: int = 1  # minibatches between per-minibatch events
-    tensorboard: bool = True
-    inject_fault: str | None = None  # e.g. "nan@rank1:step20" (labavg.faults)
-    watchdog_seconds: float = 120.0  # a rank silent this long ends the job (0: off); labavg.watchdog
-    decode_data: str | None = None  # decoded at the end: a data dir, or a corpus with dev/, test/
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    ngsgd: NGConfig = field(default_factory=NGConfig)
-    rbm: RBMConfig = field(default_factory=RBMConfig)
-    newbob: NewbobConfig = field(default_factory=NewbobConfig)
-
-    def averaging_interval(self) -> int:
-        """K, the number of minibatches between averaging rounds."""
-        if self.average_every_frames is not None:
-            return max(1, round(self.average_every_frames / self.minibatch))
-        return self.average_every
-
-    def final_learning_rate(self) -> float:
-        """The unscaled final learning rate (0.01 x initial unless set)."""
-        return self.final_lr if self.final_lr is not None else 0.01 * self.lr
-
-
-# ---------------------------------------------------------------------------------------------
-# What each setting must be; `validate` checks them all. The sections in _SELF_CHECKING refuse
-# bad values in __post_init__ with a bare ValueError, so their rules also run where they are
-# built from plain values (TOML, --set, config.json), before the dataclass exists. The others
-# stay buildable with bad values, so that a caller (a sweep naming its grid point) can build
-# first and validate in its own try.
+NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
+NEWBOB_CRITERIA = ("loss", "frame_accuracy")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -124,17 +52,27 @@ MIN_NUM_PDFS = 2
 _BYTES_PER_PARAMETER = 4 * 4
 
 
+# ---------------------------------------------------------------------------------------------
+# What a setting must be. A rule keeps its choices and bounds, so that a form (the dashboard)
+# can offer exactly what `validate` accepts.
+
+
 @dataclass(frozen=True)
 class _Rule:
     ok: Callable[[Any], bool]
     text: str  # "must be <text>"
+    choices: tuple[str, ...] | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
 
 
 def _int(low: int, high: int | None = None, text: str | None = None) -> _Rule:
     if text is None:
         text = "positive" if (low, high) == (1, None) else (
             f">= {low}" if high is None else f"in {low}..{high}")
-    return _Rule(lambda v: v >= low and (high is None or v <= high), text)
+    return _Rule(lambda v: v >= low and (high is None or v <= high), text, low=low, high=high)
 
 
 def _real(low: float | None = None, high: float | None = None, *, low_open: bool = False,
@@ -153,11 +91,11 @@ def _real(low: float | None = None, high: float | None = None, *, low_open: bool
             text = f"finite and >= {low}" if low is not None else "finite"
         else:
             text = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-    return _Rule(ok, text)
+    return _Rule(ok, text, low=low, high=high, low_open=low_open, high_open=high_open)
 
 
 def _choice(choices: tuple[str, ...]) -> _Rule:
-    return _Rule(lambda v: v in choices, f"one of {', '.join(choices)}")
+    return _Rule(lambda v: v in choices, f"one of {', '.join(choices)}", choices=choices)
 
 
 def _threads_limit() -> int:
@@ -171,91 +109,308 @@ _FINITE_POSITIVE = _real(0, low_open=True)
 _LIMIT = _real(0, text="finite and >= 0 (0 turns the limit off)")
 _DEVICE = _Rule(lambda v: v in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", v) is not None,
                 "cpu, cuda, cuda:N or auto")
+_THREADS = _Rule(lambda v: 1 <= v <= _threads_limit(),
+                 f"in 1..{THREADS_PER_CORE_LIMIT} x the {os.cpu_count() or 1} CPUs of this machine",
+                 low=1, high=_threads_limit())
 
-_RULES: dict[type, dict[str, _Rule]] = {
-    TrainConfig: {
-        "backend": _choice(BACKENDS),
-        "ranks": _POSITIVE,
-        "average_every": _POSITIVE,
-        "average_every_frames": _POSITIVE,
-        "optimizer": _choice(OPTIMIZERS),
-        "lr": _FINITE_POSITIVE,
-        "final_lr": _FINITE_POSITIVE,
-        "lr_scaling": _choice(LR_SCALING),
-        "schedule": _choice(SCHEDULES),
-        "pretrain": _choice(PRETRAIN),
-        "minibatch": _POSITIVE,
-        "epochs": _POSITIVE,
-        "seed": _SEED,
-        "device": _DEVICE,
-        "threads": _Rule(lambda v: 1 <= v <= _threads_limit(),
-                         f"in 1..{THREADS_PER_CORE_LIMIT} x the {os.cpu_count() or 1} CPUs "
-                         "of this machine"),
-        "max_change_per_sample": _LIMIT,
-        "max_param_change": _LIMIT,
-        "checkpoint_every": _POSITIVE,
-        "log_every": _POSITIVE,
-        "watchdog_seconds": _real(0, text="finite and >= 0 (0 turns the watchdog off)"),
-        "decode_data": _NONEMPTY,
-    },
-    ModelConfig: {
-        "hidden_layers": _int(0),
-        "hidden_dim": _POSITIVE,
-        "nonlinearity": _choice(NONLINEARITIES),
-        "pnorm_group": _POSITIVE,
-        "pnorm_p": _real(1, text="finite and >= 1 (a norm)"),
-    },
-    DataConfig: {
-        "data": _NONEMPTY,
-        "ali": _NONEMPTY,
-        "ali_dir": _NONEMPTY,
-        "textgrid": _NONEMPTY,
-        "context": _int(0),
-        "cv_fraction": _real(0, 1, high_open=True),
-        "buffer_frames": _POSITIVE,
-    },
-    # The bounds of OnlineNaturalGradient::InitDefault (NGConfig.__post_init__), plus finiteness.
-    NGConfig: {
-        "rank_in": _POSITIVE,
-        "rank_out": _POSITIVE,
-        "update_period": _POSITIVE,
-        "num_samples_history": _real(0, 1e6, low_open=True),
-        "alpha": _real(0),
-        "epsilon": _real(0, 1e-5, low_open=True),
-        "delta": _real(0, 1e-2, low_open=True),
-        "max_eta": _real(0, 1, low_open=True, high_open=True),
-        "num_initial_updates": _int(0),
-        "condition_threshold": _FINITE_POSITIVE,
-        "orthogonality_threshold": _FINITE_POSITIVE,
-    },
-    RBMConfig: {
-        "learn_rate": _FINITE_POSITIVE,
-        "learn_rate_gaussian": _FINITE_POSITIVE,
-        "momentum": _real(0, 1, high_open=True),
-        "momentum_max": _real(0, 1, high_open=True),
-        "momentum_steps": _POSITIVE,
-        "momentum_ramp_frames": _POSITIVE,
-        "l2_penalty": _real(0),
-        "minibatch_size": _POSITIVE,
-        "epochs": _POSITIVE,
-        "param_stddev_first": _FINITE_POSITIVE,
-        "param_stddev": _FINITE_POSITIVE,
-        "vis_bias_init_frames": _POSITIVE,
-        "seed": _SEED,
-    },
-    NewbobConfig: {
-        "start_halving_impr": _real(),
-        "end_halving_impr": _real(),
-        "halving_factor": _real(0, 1, low_open=True),
-        "min_iters": _int(0),
-        "max_iters": _POSITIVE,
-        "keep_lr_iters": _int(0),
-        "criterion": _choice(NEWBOB_CRITERIA),
-    },
-}
-_SELF_CHECKING = (NGConfig, RBMConfig, NewbobConfig)
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", rule: _Rule | None = None, *,
+            flag: str | None = None, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its help text, its rule and its command-line flag as metadata."""
+    metadata = {"help": help, "rule": rule, "flag": flag}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------------
+# The settings.
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the DNN. The paper used 6 x 2048 sigmoid layers on 440 inputs."""
+
+    hidden_layers: int = setting(4, "number of hidden layers", _int(0), flag="--hidden-layers")
+    hidden_dim: int = setting(512, "units per hidden layer", _POSITIVE, flag="--hidden-dim")
+    nonlinearity: str = setting("sigmoid", "activation of the hidden layers",
+                                _choice(NONLINEARITIES), flag="--nonlinearity")
+    pnorm_group: int = setting(5, "Kaldi's p-norm: hidden_dim inputs -> hidden_dim / group outputs",
+                               _POSITIVE)
+    pnorm_p: float = setting(2.0, "the p of the p-norm", _real(1, text="finite and >= 1 (a norm)"))
+
+
+@dataclass
+class DataConfig:
+    """Where the frames come from and how they are cut into minibatches.
+
+    `data` is a Kaldi data directory (feats.scp, cmvn.scp, utt2spk, ...) or a feature
+    rspecifier. Labels come from `ali` (an rspecifier of pdf-id vectors), `ali_dir`
+    (ali.*.gz + final.mdl, transition ids mapped to pdfs) or `textgrid` (TextGrid phone tiers);
+    with none of them, a built-in corpus directory's own `pdf_ali.ark` is used.
+    """
+
+    data: str = setting("corpus", "Kaldi data directory or feature rspecifier", _NONEMPTY,
+                        flag="--data")
+    ali: str | None = setting(None, "rspecifier of pdf-id alignments (ark:..., scp:..., ark:...|)",
+                              _NONEMPTY, flag="--ali")
+    ali_dir: str | None = setting(None, "alignment directory with ali.*.gz and final.mdl",
+                                  _NONEMPTY, flag="--ali-dir")
+    textgrid: str | None = setting(None, "TextGrid file or directory of <utt>.TextGrid phone tiers",
+                                   _NONEMPTY, flag="--textgrid")
+    context: int = setting(5, "frames of context on each side (splice; Kaldi nnet1: 5)", _int(0),
+                           flag="--context")
+    cv_fraction: float = setting(0.1, "held-out utterances, as Kaldi nnet1",
+                                 _real(0, 1, high_open=True))
+    buffer_frames: int = setting(32768, "frames shuffled together (nnet1's --randomizer-size)",
+                                 _POSITIVE)
+    apply_cmvn: bool = setting(True, "apply cmvn.scp per speaker, as apply-cmvn")
+    norm_vars: bool = setting(False, "CMVN normalises variances too (apply-cmvn --norm-vars)",
+                              flag="--norm-vars")
+    skip_mismatched: bool = setting(False, "drop utterances missing features or alignments",
+                                    flag="--skip-mismatched")
+
+
+@dataclass(frozen=True)
+class NGConfig:
+    """Settings of OnlineNaturalGradient (defaults: nnet2/nnet3 NaturalGradientAffineComponent)."""
+
+    # The bounds of OnlineNaturalGradient::InitDefault (checked again in __post_init__).
+    rank_in: int = setting(20, "rank of the input-side Fisher estimate", _POSITIVE)
+    rank_out: int = setting(80, "rank of the output-side Fisher estimate", _POSITIVE)
+    update_period: int = setting(4, "minibatches between Fisher updates", _POSITIVE)
+    num_samples_history: float = setting(2000.0, "samples the Fisher estimate remembers",
+                                         _real(0, 1e6, low_open=True))
+    alpha: float = setting(4.0, "smoothing of the Fisher matrix towards the identity", _real(0))
+    epsilon: float = setting(1.0e-10, "floor of the eigenvalues", _real(0, 1e-5, low_open=True))
+    delta: float = setting(5.0e-4, "relative floor of the eigenvalues", _real(0, 1e-2, low_open=True))
+    # Eta(): "don't let eta approach 1 too closely"
+    max_eta: float = setting(0.9, "cap of the forgetting rate",
+                             _real(0, 1, low_open=True, high_open=True))
+    num_initial_updates: int = setting(10, "minibatches updated every time at first (Kaldi: 10)",
+                                       _int(0))
+    condition_threshold: float = setting(1.0e6, "PreconditionDirectionsInternal's condition limit",
+                                         _FINITE_POSITIVE)
+    orthogonality_threshold: float = setting(1.0e-3, "ReorthogonalizeRt1's threshold",
+                                             _FINITE_POSITIVE)
+
+    def __post_init__(self) -> None:
+        # The same plausibility checks as OnlineNaturalGradient::InitDefault.
+        checks = {
+            "rank_in": self.rank_in > 0,
+            "rank_out": self.rank_out > 0,
+            "update_period": self.update_period > 0,
+            "num_samples_history": 0.0 < self.num_samples_history <= 1.0e6,
+            "alpha": self.alpha >= 0.0,
+            "epsilon": 0.0 < self.epsilon <= 1.0e-5,
+            "delta": 0.0 < self.delta <= 1.0e-2,
+            "max_eta": 0.0 < self.max_eta < 1.0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"bad NGConfig value(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}")
+
+
+@dataclass(frozen=True)
+class RBMConfig:
+    """Options of pretrain_dbn.sh and rbm-train-cd1-frmshuff (RbmTrainOptions in
+    src/nnet/nnet-trnopts.h), Kaldi's defaults.
+
+    The momentum ramps linearly from `momentum` to `momentum_max` in `momentum_steps` equal steps
+    over the first `momentum_ramp_frames` frames of each layer (Kaldi: 40 steps of 500000
+    frames). Frames are counted over all ranks, so the ramp ends at the same point of the data
+    whatever the number of workers. The learning rate used in the update is
+    learn_rate * (1 - momentum), as rbm-train-cd1-frmshuff sets it.
+    """
+
+    learn_rate: float = setting(0.4, "rbm_lrate, Bernoulli-Bernoulli RBMs", _FINITE_POSITIVE)
+    learn_rate_gaussian: float = setting(0.01, "rbm_lrate_low, the Gaussian-Bernoulli RBM",
+                                         _FINITE_POSITIVE)
+    momentum: float = setting(0.5, "momentum at the start of a layer", _real(0, 1, high_open=True))
+    momentum_max: float = setting(0.9, "momentum at the end of the ramp", _real(0, 1, high_open=True))
+    momentum_steps: int = setting(40, "steps of the momentum ramp", _POSITIVE)
+    momentum_ramp_frames: int = setting(20_000_000, "frames (all ranks) the momentum ramp lasts",
+                                        _POSITIVE)
+    l2_penalty: float = setting(2e-4, "L2 weight penalty", _real(0))
+    minibatch_size: int = setting(100, "rbm-train-cd1-frmshuff --bunchsize", _POSITIVE)
+    epochs: int = setting(1, "rbm_iter; the Gaussian-Bernoulli RBM trains for twice as many",
+                          _POSITIVE)
+    gaussian_input: bool = setting(True, "input_vis_type=gauss")
+    param_stddev_first: float = setting(0.1, "initial weight stddev, first RBM", _FINITE_POSITIVE)
+    param_stddev: float = setting(0.1, "initial weight stddev, later RBMs", _FINITE_POSITIVE)
+    # Kaldi initialises a Bernoulli RBM's visible biases to logit(mean activation) measured on
+    # a 10k-utterance subset; we measure on the first frames of this epoch-0 shard, all ranks
+    # pooled.
+    vis_bias_init_frames: int = setting(1_000_000, "frames measured for the visible biases",
+                                        _POSITIVE)
+    seed: int = setting(777, "random seed of the RBMs", _SEED)
+
+    def __post_init__(self) -> None:
+        if self.minibatch_size < 1 or self.epochs < 1 or self.momentum_steps < 1:
+            raise ValueError(f"minibatch_size, epochs and momentum_steps must be >= 1: {self}")
+        if self.momentum_ramp_frames < self.momentum_steps:
+            raise ValueError(
+                f"momentum_ramp_frames {self.momentum_ramp_frames} must be >= momentum_steps "
+                f"{self.momentum_steps}"
+            )
+        if self.vis_bias_init_frames < 1:
+            raise ValueError(f"vis_bias_init_frames must be >= 1, got {self.vis_bias_init_frames}")
+
+
+@dataclass(frozen=True)
+class NewbobConfig:
+    """Options of Kaldi nnet1 `train_scheduler.sh` (same names, same defaults).
+
+    With criterion "loss" the CV value is a loss (lower is better) and the improvements are
+    relative: (prev - new) / prev. With criterion "frame_accuracy" the CV value is a frame
+    accuracy in percent (higher is better, as Kaldi's FRAME_ACCURACY) and the improvements are
+    absolute percentage points: use `NewbobConfig.for_frame_accuracy()` for the paper's
+    thresholds (+0.5% to start halving, +0.1% to stop).
+    """
+
+    start_halving_impr: float = setting(0.01, "start halving below this CV improvement", _real())
+    end_halving_impr: float = setting(0.001, "stop below this CV improvement", _real())
+    halving_factor: float = setting(0.5, "learning-rate factor per halving",
+                                    _real(0, 1, low_open=True))
+    min_iters: int = setting(0, "epochs before stopping is allowed", _int(0))
+    max_iters: int = setting(20, "most epochs", _POSITIVE)
+    keep_lr_iters: int = setting(0, "epochs at the initial rate before halving may start", _int(0))
+    criterion: str = setting("loss", "CV value compared: loss or frame_accuracy",
+                             _choice(NEWBOB_CRITERIA))
+
+    def __post_init__(self) -> None:
+        if self.criterion not in NEWBOB_CRITERIA:
+            raise ValueError(
+                f"unknown Newbob criterion {self.criterion!r}; choose from {NEWBOB_CRITERIA}"
+            )
+        if not 0.0 < self.halving_factor <= 1.0:
+            raise ValueError(f"halving_factor must be in (0, 1], got {self.halving_factor}")
+        if self.max_iters < 1 or self.min_iters < 0 or self.keep_lr_iters < 0:
+            raise ValueError(
+                f"need max_iters >= 1, min_iters >= 0, keep_lr_iters >= 0; got {self.max_iters}, "
+                f"{self.min_iters}, {self.keep_lr_iters}"
+            )
+
+    @classmethod
+    def for_frame_accuracy(cls, **overrides: object) -> NewbobConfig:
+        """The paper's accuracy-driven Newbob: halve below +0.5% absolute, stop below +0.1%."""
+        fields = {"start_halving_impr": 0.5, "end_halving_impr": 0.1, "criterion": "frame_accuracy"}
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. Defaults follow the paper where CPU time allows."""
+
+    out: str = setting("runs/run", "run directory to write", flag="--out")
+    backend: str = setting("inproc", "how the ranks talk", _choice(BACKENDS), flag="--backend")
+    ranks: int = setting(1, "number of workers (num_jobs)", _POSITIVE, flag="--ranks")
+    # the paper: 10 minibatches of 1024 frames
+    average_every: int = setting(10, "minibatches between averaging rounds (K)", _POSITIVE,
+                                 flag="--average-every")
+    average_every_frames: int | None = setting(
+        None, "frames between averaging rounds (K = round(frames / minibatch))", _POSITIVE,
+        flag="--average-every-frames")
+    # the paper trains with natural-gradient SGD
+    optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
+    lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
+                        _FINITE_POSITIVE, flag="--lr")
+    final_lr: float | None = setting(None, "final learning rate (default 0.01 x lr, as the paper)",
+                                     _FINITE_POSITIVE, flag="--final-lr")
+    lr_scaling: str = setting("linear", "effective lr x num_jobs (linear), as the paper and Kaldi",
+                              _choice(LR_SCALING), flag="--lr-scaling")
+    schedule: str = setting("exponential", "learning-rate schedule", _choice(SCHEDULES),
+                            flag="--schedule")
+    pretrain: str = setting("none", "initialisation", _choice(PRETRAIN), flag="--pretrain")
+    minibatch: int = setting(256, "frames per minibatch", _POSITIVE, flag="--minibatch")
+    epochs: int = setting(2, "passes over the training data", _POSITIVE, flag="--epochs")
+    seed: int = setting(0, "random seed", _SEED, flag="--seed")
+    device: str = setting("cpu", "device", _DEVICE, flag="--device")
+    threads: int = setting(1, "torch threads per process", _THREADS, flag="--threads")
+    max_change_per_sample: float = setting(0.075, "Kaldi's per-layer max-change per sample", _LIMIT)
+    max_param_change: float = setting(2.0, "Kaldi's whole-model max-change", _LIMIT)
+    checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
+                                    _POSITIVE, flag="--checkpoint-every")
+    log_every: int = setting(1, "minibatches between per-minibatch events", _POSITIVE)
+    tensorboard: bool = setting(True, "write TensorBoard files")
+    inject_fault: str | None = setting(None, 'a deliberate fault, e.g. "nan@rank1:step20" '
+                                       "(labavg.faults)")
+    watchdog_seconds: float = setting(
+        120.0, "a rank silent this long ends the job (0: off; labavg.watchdog)",
+        _real(0, text="finite and >= 0 (0 turns the watchdog off)"))
+    decode_data: str | None = setting(
+        None, "decode this at the end (a data dir, or a corpus with dev/ and test/); "
+        "summary.json gains wer and per", _NONEMPTY, flag="--decode-data")
+    model: ModelConfig = setting(help="the DNN", factory=ModelConfig)
+    data: DataConfig = setting(help="the data", factory=DataConfig)
+    ngsgd: NGConfig = setting(help="natural-gradient SGD", factory=NGConfig)
+    rbm: RBMConfig = setting(help="RBM pretraining", factory=RBMConfig)
+    newbob: NewbobConfig = setting(help="the Newbob schedule", factory=NewbobConfig)
+
+    def averaging_interval(self) -> int:
+        """K, the number of minibatches between averaging rounds."""
+        if self.average_every_frames is not None:
+            return max(1, round(self.average_every_frames / self.minibatch))
+        return self.average_every
+
+    def final_learning_rate(self) -> float:
+        """The unscaled final learning rate (0.01 x initial unless set)."""
+        return self.final_lr if self.final_lr is not None else 0.01 * self.lr
+
+
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "ngsgd": NGConfig, "rbm": RBMConfig,
              "newbob": NewbobConfig}
+# The sections whose __post_init__ refuses bad values with a bare ValueError: their rules also
+# run where they are built from plain values (TOML, --set, config.json), before the dataclass
+# exists. The others stay buildable with bad values, so that a caller (a sweep naming its grid
+# point) can build first and validate in its own try.
+_SELF_CHECKING = (NGConfig, RBMConfig, NewbobConfig)
+_RULES: dict[type, dict[str, _Rule]] = {
+    cls: {f.name: f.metadata["rule"] for f in dataclasses.fields(cls) if f.metadata.get("rule")}
+    for cls in (TrainConfig, *_SECTIONS.values())
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag of `labavg train`, generated from a setting's metadata."""
+
+    flag: str
+    key: str  # dotted TrainConfig key
+    kind: type  # int, float, str; bool for a switch (store_true)
+    help: str
+
+
+def cli_flags() -> list[Flag]:
+    """The flags of every setting that declares one, in declaration order."""
+    out: list[Flag] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+            elif f.metadata.get("flag"):
+                kind = next(a for a in typing.get_args(hint) or (hint,) if a is not type(None))
+                rule = f.metadata["rule"]
+                text = f.metadata["help"]
+                if rule is not None and rule.choices:
+                    text += ": " + " | ".join(rule.choices)
+                out.append(Flag(f.metadata["flag"], prefix + f.name, kind, text))
+
+    walk(TrainConfig, "")
+    return out
+
+
+def setting_field(dotted: str) -> dataclasses.Field:
+    """The dataclass field of a dotted TrainConfig key (`model.hidden_dim`)."""
+    cls: Any = TrainConfig
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        cls = _field_types(cls)[part]
+    return next(f for f in dataclasses.fields(cls) if f.name == leaf)
 
 
 def _bad(key: str, text: str, value: Any) -> str:
@@ -410,6 +565,22 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # Memory.
+
+
+def parameter_count(cfg: ModelConfig, input_dim: int, num_pdfs: int) -> int:
+    """Trainable scalars a DNN of `cfg` would have, computed without building it.
+
+    Python integers, so an absurd shape gives an exact huge number rather than an overflow;
+    `labavg.config.check_model_size` uses it to refuse a model before anything is allocated.
+    """
+    out_dim = cfg.hidden_dim // cfg.pnorm_group if cfg.nonlinearity == "pnorm" else cfg.hidden_dim
+    total, dim = 0, input_dim
+    for _ in range(min(cfg.hidden_layers, 1)):
+        total += (dim + 1) * cfg.hidden_dim
+        dim = out_dim
+    # The layers after the first are all alike: no loop, so 10**12 layers cost nothing here.
+    total += max(cfg.hidden_layers - 1, 0) * (out_dim + 1) * cfg.hidden_dim
+    return total + (dim + 1) * num_pdfs
 
 
 def physical_memory() -> int | None:

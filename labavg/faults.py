@@ -15,10 +15,12 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from labavg.errors import UserError
+
+if TYPE_CHECKING:  # the configuration imports this module and no torch
+    import torch
 
 KINDS = ("nan", "raise", "kill", "hang")
 _PATTERN = re.compile(r"^(nan|raise|kill|hang)@rank(\d+):step(\d+)$")

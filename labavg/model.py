@@ -5,24 +5,11 @@ The model knows nothing about ranks or devices; callers move it with `.to(device
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the DNN. The paper used 6 x 2048 sigmoid layers on 440 inputs."""
-
-    hidden_layers: int = 4
-    hidden_dim: int = 512
-    nonlinearity: str = "sigmoid"
-    pnorm_group: int = 5  # Kaldi's p-norm: hidden_dim inputs -> hidden_dim / group outputs
-    pnorm_p: float = 2.0
-
+# The model's settings and size live with the other settings (torch-free).
+from labavg.config import NONLINEARITIES, ModelConfig, parameter_count  # noqa: F401
 
 class PNorm(nn.Module):
     """Kaldi's PnormComponent: the p-norm over non-overlapping groups of `group` units."""
@@ -108,22 +95,6 @@ class DNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.normalize_input(x))
-
-
-def parameter_count(cfg: ModelConfig, input_dim: int, num_pdfs: int) -> int:
-    """Trainable scalars a DNN of `cfg` would have, computed without building it.
-
-    Python integers, so an absurd shape gives an exact huge number rather than an overflow;
-    `labavg.config.check_model_size` uses it to refuse a model before anything is allocated.
-    """
-    out_dim = cfg.hidden_dim // cfg.pnorm_group if cfg.nonlinearity == "pnorm" else cfg.hidden_dim
-    total, dim = 0, input_dim
-    for _ in range(min(cfg.hidden_layers, 1)):
-        total += (dim + 1) * cfg.hidden_dim
-        dim = out_dim
-    # The layers after the first are all alike: no loop, so 10**12 layers cost nothing here.
-    total += max(cfg.hidden_layers - 1, 0) * (out_dim + 1) * cfg.hidden_dim
-    return total + (dim + 1) * num_pdfs
 
 
 def count_parameters(model: nn.Module) -> int:

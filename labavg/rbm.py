@@ -20,49 +20,8 @@ from torch import nn
 
 from labavg.averaging import average_parameters, broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
+from labavg.config import RBMConfig  # noqa: F401 (declared with the other settings)
 from labavg.model import DNN
-
-
-@dataclass(frozen=True)
-class RBMConfig:
-    """Options of pretrain_dbn.sh and rbm-train-cd1-frmshuff (RbmTrainOptions in
-    src/nnet/nnet-trnopts.h), Kaldi's defaults.
-
-    The momentum ramps linearly from `momentum` to `momentum_max` in `momentum_steps` equal steps
-    over the first `momentum_ramp_frames` frames of each layer (Kaldi: 40 steps of 500000
-    frames). Frames are counted over all ranks, so the ramp ends at the same point of the data
-    whatever the number of workers. The learning rate used in the update is
-    learn_rate * (1 - momentum), as rbm-train-cd1-frmshuff sets it.
-    """
-
-    learn_rate: float = 0.4  # rbm_lrate, Bernoulli-Bernoulli RBMs
-    learn_rate_gaussian: float = 0.01  # rbm_lrate_low, the Gaussian-Bernoulli RBM
-    momentum: float = 0.5
-    momentum_max: float = 0.9
-    momentum_steps: int = 40
-    momentum_ramp_frames: int = 20_000_000
-    l2_penalty: float = 2e-4
-    minibatch_size: int = 100  # rbm-train-cd1-frmshuff --bunchsize
-    epochs: int = 1  # rbm_iter; the Gaussian-Bernoulli RBM trains for twice as many
-    gaussian_input: bool = True  # input_vis_type=gauss
-    param_stddev_first: float = 0.1
-    param_stddev: float = 0.1
-    # Kaldi initialises a Bernoulli RBM's visible biases to logit(mean activation) measured on
-    # a 10k-utterance subset; we measure on the first frames of this epoch-0 shard, all ranks
-    # pooled.
-    vis_bias_init_frames: int = 1_000_000
-    seed: int = 777
-
-    def __post_init__(self) -> None:
-        if self.minibatch_size < 1 or self.epochs < 1 or self.momentum_steps < 1:
-            raise ValueError(f"minibatch_size, epochs and momentum_steps must be >= 1: {self}")
-        if self.momentum_ramp_frames < self.momentum_steps:
-            raise ValueError(
-                f"momentum_ramp_frames {self.momentum_ramp_frames} must be >= momentum_steps "
-                f"{self.momentum_steps}"
-            )
-        if self.vis_bias_init_frames < 1:
-            raise ValueError(f"vis_bias_init_frames must be >= 1, got {self.vis_bias_init_frames}")
 
 
 @dataclass(frozen=True)

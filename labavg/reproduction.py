@@ -11,17 +11,14 @@ accuracy (higher is better), so a comparison "agrees" when the ordering is the s
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from labavg import costmodel
 from labavg.checkpoint import atomic_write_text
+from labavg.index import list_runs, summary_row
 from labavg.runs import read_summary
 
 # Draft tables of Su & Chen (2015): WER % on the SWB test set; 1-GPU baseline 14.7.
@@ -47,15 +44,18 @@ class Row:
     summary: dict[str, Any]
 
 
+_ROW_FIELDS = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "seed",
+               "cv_frame_accuracy")
+
+
 def load_rows(sweep_dir: Path) -> list[Row]:
     """Every finished run of a sweep directory."""
     rows = []
-    for run in sorted((sweep_dir / "runs").glob("*")):
-        if not (run / "summary.json").is_file():
+    for record in list_runs(sweep_dir / "runs"):
+        if record.summary is None:
             continue
-        s = read_summary(run)
-        rows.append(Row(s["ranks"], s["average_every"], s["optimizer"], s["pretrain"],
-                        s["schedule"], s["config"]["seed"], s["cv_frame_accuracy"], s))
+        row = summary_row(record.name, record.summary)
+        rows.append(Row(**{f: row[f] for f in _ROW_FIELDS}, summary=record.summary))
     return rows
 
 
@@ -209,7 +209,10 @@ def yesno_sweep(recipe: Path, *, seeds: int) -> "Sweep":
 
 
 def measure_mpi(corpus: Path, out: Path, *, epochs: int) -> None:
-    """1 and 2 MPI ranks (mpiexec started by the CLI) on the built-in corpus; resumable."""
+    """1 and 2 MPI ranks (an mpiexec job for 2) on the built-in corpus; resumable."""
+    from labavg.config import DataConfig, TrainConfig
+    from labavg.launch import start_run
+
     for ranks in (1, 2):
         run = out / f"ranks{ranks}"
         if (run / "summary.json").is_file():
@@ -218,10 +221,9 @@ def measure_mpi(corpus: Path, out: Path, *, epochs: int) -> None:
             import shutil
 
             shutil.rmtree(run)
-        subprocess.run([sys.executable, "-m", "labavg", "train", "--data", str(corpus), "--out",
-                        str(run), "--ranks", str(ranks), "--backend", "mpi", "--epochs",
-                        str(epochs), "--optimizer", "ngsgd", "--no-progress", "--set",
-                        "tensorboard=false"], check=True)
+        cfg = TrainConfig(out=str(run), ranks=ranks, backend="mpi", epochs=epochs,
+                          optimizer="ngsgd", tensorboard=False, data=DataConfig(data=str(corpus)))
+        start_run(cfg).wait()
 
 
 def reproduce(out: Path, *, hours: float = 1.0, epochs: int = 4, seeds: int = 1,
@@ -237,14 +239,8 @@ def reproduce(out: Path, *, hours: float = 1.0, epochs: int = 4, seeds: int = 1,
     sweep = paper_sweep(corpus, epochs=epochs, seeds=seeds)
     run_sweep(sweep, out / "paper")
     if yesno is not None:
-        # Kaldi resolves scp paths against the working directory: run from the recipe.
-        yesno_out = (out / "yesno").resolve()
-        here = Path.cwd()
-        os.chdir(yesno)
-        try:
-            run_sweep(yesno_sweep(Path("."), seeds=seeds), yesno_out)
-        finally:
-            os.chdir(here)
+        # Kaldi resolves scp paths against the working directory: the ranks run in the recipe.
+        run_sweep(yesno_sweep(Path("."), seeds=seeds), out / "yesno", cwd=yesno)
     measure_mpi(corpus, out / "mpi", epochs=1)
     text = render_report(out, sweep, yesno is not None, hours=hours, epochs=epochs,
                          seeds=seeds, command=command)

@@ -29,22 +29,19 @@ from pathlib import Path
 from typing import Any
 
 from labavg.checkpoint import atomic_write_text, latest_step, remove_orphans
-from labavg.comm.world import launcher_rank
+from labavg.comm.launchers import launcher_rank
 from labavg.config import TrainConfig, config_from_dict, to_dict
 from labavg.errors import UserError, one_line
 from labavg.watchdog import HEARTBEAT_DIR
 from labavg.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted
+# Reading runs back lives in labavg.index; these names stay importable from here.
+from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, comparable_config,  # noqa: F401
+                          find_baseline, read_events, read_json, summary_row)
 
-EVENTS = "events.jsonl"
-SUMMARY = "summary.json"
-CONFIG = "config.json"
 LOCK = ".lock"
 # Set by a launcher that holds the run directory's lock for its ranks (to the resolved path).
 LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
 
-# Settings that may differ between runs that are still "the same configuration" for speedup.
-PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                  "tensorboard", "watchdog_seconds")
 # Settings a resume may change: none of them changes what is computed (inproc and mpi are
 # bitwise the same; a fault is injected once). `ranks` is not among them: it changes the
 # sharding and, through lr_scaling, the learning rate.
@@ -64,7 +61,7 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
         found = latest_step(run_dir)
         if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
-        summary = _read_json_or_none(run_dir / SUMMARY)
+        summary = read_json(run_dir / SUMMARY)
         if summary is not None and not summary.get("stopped"):
             raise UserError(
                 f"--resume: {run_dir} has finished (step {summary.get('steps')}, {SUMMARY}); "
@@ -115,13 +112,6 @@ def _get(values: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         values = values.get(part) if isinstance(values, dict) else None
     return values
-
-
-def _read_json_or_none(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @contextmanager
@@ -208,15 +198,6 @@ class EventLog:
             self._tb.close()
 
 
-def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The events of a run directory as dicts; a last line still being written is skipped."""
-    path = Path(run_dir) / EVENTS
-    with open(path) as f:
-        for line in f:
-            if line.endswith("\n"):
-                yield json.loads(line)
-
-
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json of a finished run; UserError naming the path otherwise."""
     path = Path(run_dir) / SUMMARY
@@ -226,33 +207,6 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
-
-
-def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config dict without the parallel settings: equal for runs whose speedups compare."""
-    return {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS}
-
-
-def find_baseline(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
-    """Summary of a finished 1-rank run of the same configuration beside `run_dir`, if any.
-
-    Runs are the same configuration when everything but the parallel settings (ranks,
-    backend, device, output directory, logging) is equal, the learning rate included: with
-    `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
-    """
-    want = comparable_config(to_dict(cfg))
-    parent = Path(run_dir).resolve().parent
-    candidates = []
-    for sibling in sorted(parent.iterdir()) if parent.is_dir() else []:
-        if sibling.resolve() == Path(run_dir).resolve() or not (sibling / SUMMARY).is_file():
-            continue
-        try:
-            summary = json.loads((sibling / SUMMARY).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if summary.get("ranks") == 1 and comparable_config(summary.get("config", {})) == want:
-            candidates.append(summary)
-    return candidates[-1] if candidates else None
 
 
 def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
@@ -386,7 +340,7 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                 bar.update(event.step - bar.n)
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
             elif isinstance(event, RunFinished) and event.rank == 0:
-                summary = make_summary(cfg, started[0], event, find_baseline(run_dir, cfg))
+                summary = make_summary(cfg, started[0], event, find_baseline(run_dir, to_dict(cfg)))
                 summary["resumed"] = resume
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
@@ -417,15 +371,17 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
             ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
             ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
-    summaries = list(summaries)
-    if not any(s.get("wer") is not None for s in summaries):
+    rows = [{**summary_row(s.get("run"), s), "run": s.get("run")} for s in summaries]
+    if not any(r["wer"] is not None for r in rows):
         cols = [c for c in cols if c[1] not in ("wer", "per")]
 
-    def cell(key: str, value: Any, summary: dict[str, Any]) -> str:
+    def cell(key: str, row: dict[str, Any]) -> str:
+        value = row[key]
         if value is None:
             return "-"
         if key == "wer":
-            low, high = summary.get("wer_ci") or (math.nan, math.nan)
+            low, high = (row["wer_ci_low"], row["wer_ci_high"]) if row["wer_ci_low"] is not None \
+                else (math.nan, math.nan)
             return f"{value:.2f} ({low:.2f}-{high:.2f})"
         if key == "per":
             return f"{value:.2f}"
@@ -436,8 +392,8 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
         return str(value)
 
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    for s in summaries:
-        lines.append("| " + " | ".join(cell(k, s.get(k), s) for _, k in cols) + " |")
+    for row in rows:
+        lines.append("| " + " | ".join(cell(k, row) for _, k in cols) + " |")
     return "\n".join(lines)
 
 

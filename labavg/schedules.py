@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 LR_SCALING_RULES = ("none", "linear")
-NEWBOB_CRITERIA = ("loss", "frame_accuracy")
+from labavg.config import NEWBOB_CRITERIA, NewbobConfig  # noqa: F401 (declared with the settings)
 
 
 def scale_lr(lr: float, num_jobs: int, rule: str) -> float:
@@ -45,46 +45,6 @@ def exponential_lr(initial: float, final: float, progress: float) -> float:
     if not 0.0 <= progress <= 1.0:
         raise ValueError(f"progress must be in [0, 1], got {progress}")
     return initial * (final / initial) ** progress
-
-
-@dataclass(frozen=True)
-class NewbobConfig:
-    """Options of Kaldi nnet1 `train_scheduler.sh` (same names, same defaults).
-
-    With criterion "loss" the CV value is a loss (lower is better) and the improvements are
-    relative: (prev - new) / prev. With criterion "frame_accuracy" the CV value is a frame
-    accuracy in percent (higher is better, as Kaldi's FRAME_ACCURACY) and the improvements are
-    absolute percentage points: use `NewbobConfig.for_frame_accuracy()` for the paper's
-    thresholds (+0.5% to start halving, +0.1% to stop).
-    """
-
-    start_halving_impr: float = 0.01
-    end_halving_impr: float = 0.001
-    halving_factor: float = 0.5
-    min_iters: int = 0
-    max_iters: int = 20
-    keep_lr_iters: int = 0
-    criterion: str = "loss"
-
-    def __post_init__(self) -> None:
-        if self.criterion not in NEWBOB_CRITERIA:
-            raise ValueError(
-                f"unknown Newbob criterion {self.criterion!r}; choose from {NEWBOB_CRITERIA}"
-            )
-        if not 0.0 < self.halving_factor <= 1.0:
-            raise ValueError(f"halving_factor must be in (0, 1], got {self.halving_factor}")
-        if self.max_iters < 1 or self.min_iters < 0 or self.keep_lr_iters < 0:
-            raise ValueError(
-                f"need max_iters >= 1, min_iters >= 0, keep_lr_iters >= 0; got {self.max_iters}, "
-                f"{self.min_iters}, {self.keep_lr_iters}"
-            )
-
-    @classmethod
-    def for_frame_accuracy(cls, **overrides: object) -> NewbobConfig:
-        """The paper's accuracy-driven Newbob: halve below +0.5% absolute, stop below +0.1%."""
-        fields = {"start_halving_impr": 0.5, "end_halving_impr": 0.1, "criterion": "frame_accuracy"}
-        fields.update(overrides)
-        return cls(**fields)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from typing import Any
 from labavg.checkpoint import atomic_write_text, latest_step
 from labavg.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
 from labavg.errors import UserError
-from labavg.runs import SUMMARY, read_summary
+from labavg.index import SUMMARY, summary_row
+from labavg.runs import read_summary
 
 COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch",
            "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy", "cv_loss", "wall_seconds",
@@ -112,17 +113,20 @@ def run_sweep(
     out: Path,
     *,
     train_point: Callable[[TrainConfig, bool], None] | None = None,
+    cwd: str | Path | None = None,
 ) -> list[dict[str, Any]]:
     """Train every point not yet finished; write results.csv and results.md; return the rows.
 
-    `train_point(cfg, resume)` trains one configuration (default: in this process with
-    `run_training`; the CLI passes one that starts mpiexec for the mpi backend).
+    `train_point(cfg, resume)` trains one configuration (default: `labavg.launch.start_run`,
+    which picks threads or a job by backend). `cwd` runs every point in that directory
+    (Kaldi recipes' scp paths are relative to it); `out` is taken before it applies.
     """
     if train_point is None:
-        from labavg.runs import run_training
-
         def train_point(cfg: TrainConfig, resume: bool) -> None:
-            run_training(cfg, resume=resume, progress=False)
+            _train_point(cfg, resume, cwd)
+
+    if cwd is not None:
+        out = out.resolve()
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -136,13 +140,19 @@ def run_sweep(
                 for leftover in ("events.jsonl", "config.json"):
                     (run_dir / leftover).unlink(missing_ok=True)
             train_point(cfg, resume)
-        summary = read_summary(run_dir)
-        low, high = summary.get("wer_ci") or (None, None)
-        rows.append({"name": name, "seed": cfg.seed, "wer_ci_low": low, "wer_ci_high": high,
-                     **{k: summary.get(k) for k in COLUMNS
-                        if k not in ("name", "seed", "wer_ci_low", "wer_ci_high")}})
+        row = summary_row(name, read_summary(run_dir))
+        rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
         write_results(rows, out)
     return rows
+
+
+def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None:
+    from labavg.launch import JobFailed, start_run
+
+    try:
+        start_run(cfg, resume=resume, cwd=cwd).wait()
+    except JobFailed as exc:  # its ranks have said why on stderr
+        raise UserError(f"sweep point {cfg.out} failed (exit status {exc.code})") from None
 
 
 def write_results(rows: list[dict[str, Any]], out: Path) -> None:

@@ -398,11 +398,25 @@ def train(
     rank and agree on the outcome before training, so a data error that some ranks meet ends
     every rank, printed once (by the lowest failing rank). Any error on a rank after that ends
     the whole job at once (abort), and a watchdog ends it when a rank falls silent.
+
+    torch's intra-op pool is process-wide: it has `cfg.threads` threads while the run goes and
+    its size from before afterwards, so a process that trains now and then (the dashboard, a
+    notebook) keeps its own setting.
     """
+    before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
+    try:
+        yield from _train(cfg, source, run_dir, resume, should_stop)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSource],
+           run_dir: Path | None, resume: bool,
+           should_stop: Callable[[], bool] | None) -> Iterator[Event]:
     if cfg.backend == "inproc":
         from labavg.comm.inproc import iterate_inproc
-        from labavg.comm.world import select_device
+        from labavg.comm.devices import select_device
 
         source = source() if callable(source) else source
         device = select_device(cfg.device, 0)
@@ -411,7 +425,8 @@ def train(
             timeout=cfg.watchdog_seconds or None,
         )
         return
-    from labavg.comm.world import open_communicator, select_device
+    from labavg.comm.devices import select_device
+    from labavg.comm.world import open_communicator
     from labavg.watchdog import Watchdog, WatchedCommunicator
 
     comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)

@@ -156,6 +156,25 @@ def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
         assert {e["step"] for e in mine[-3:]} == {summary["steps"]}
 
 
+def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, corpus, tmp_path):
+    from labavg.launch import start_run
+
+    cfg = make_cfg(tmp_path / "seam", corpus, 4, epochs=3)
+    handle = start_run(cfg, cluster=cluster)
+    events, deadline = [], time.monotonic() + 120
+    while not any(e["type"] == "average" for e in events):
+        assert time.monotonic() < deadline and not handle.done()
+        events += handle.poll()
+        time.sleep(0.05)
+    handle.stop()
+    stopped = handle.wait(60)
+    per_epoch = events[0]["steps_per_epoch"]
+    assert stopped["stopped"] and stopped["steps"] < 3 * per_epoch
+    finished = start_run(cfg, cluster=cluster, resume=True).wait(120)
+    assert not finished["stopped"] and finished["steps"] == 3 * per_epoch and finished["resumed"]
+    assert not cluster.closed and len(cluster.info()) == 2  # a cluster it was given stays up
+
+
 def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corpus, tmp_path):
     victim = cluster.info()[1]["pid"]
     handle = cluster.submit(make_cfg(tmp_path / "dead", corpus, 20, epochs=40))

@@ -16,8 +16,10 @@ import pytest
 # dashboard/ sits beside labavg/ but is not (yet) an installed package: import it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboard.state import (EventTail, LiveRun, RankSeries, RunBuffers, RunSettings, RunTable,
-                             describe_config)
+from dashboard.live import LiveRun, RankSeries, RunBuffers
+from dashboard.runs_table import RunTable
+from dashboard.settings import RunSettings, describe_config
+from labavg.index import EventTail
 from labavg.errors import UserError
 
 
@@ -285,3 +287,20 @@ def test_labavg_dashboard_command_serves_the_app(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path):
+    # 256 frames of 64-frame minibatches: K = 4, while the K control still says 2.
+    settings = tiny_settings(corpus, tmp_path / "runs", ranks=1,
+                             overrides={"data.buffer_frames": 2048, "average_every_frames": 256})
+    live = LiveRun()
+    assert live.start(settings), live.status
+    assert "K=4" in live.status and Path(live.run_dir).name.endswith("-n1-k4")
+    assert "K=4 ·" in describe_config(live.config)
+    run_to_end(live)
+    assert live.summary["average_every"] == 4
+    [row] = RunTable(runs_dir=str(tmp_path / "runs")).refresh()
+    assert row["K"] == 4
+    from labavg.runs import format_table
+
+    assert "| 1 | 4 |" in format_table([{"run": "r", **live.summary}])

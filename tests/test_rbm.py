@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.comm.world import SingleCommunicator
+from labavg.comm.inproc import InProcCommunicator, InProcGroup
 from labavg.data.frames import splice
 from labavg.model import DNN, ModelConfig
 from labavg.rbm import (
@@ -167,6 +167,10 @@ def _run(gen):
             return events, stop.value
 
 
+def _one_rank() -> InProcCommunicator:
+    return InProcCommunicator(InProcGroup(1), 0)
+
+
 FAST = RBMConfig(epochs=3, momentum_ramp_frames=20_000, momentum_steps=4)
 
 
@@ -175,7 +179,7 @@ def test_pretrain_dbn_on_real_features(shared_data):
     assert x.shape == (2672, 143)
     model = DNN(143, 11, ModelConfig(hidden_layers=2, hidden_dim=64))
     initial = [layer.weight.detach().clone() for layer in model.hidden]
-    comm = SingleCommunicator()
+    comm = _one_rank()
     events, rbms = _run(
         pretrain_dbn(model, _epoch_batches(x), comm, FAST, average_every=8, device="cpu")
     )
@@ -216,7 +220,7 @@ def test_bernoulli_visible_bias_is_logit_of_mean_activation():
     x = torch.randn(1000, 7, generator=torch.Generator().manual_seed(0))
     cfg = RBMConfig(epochs=1, learn_rate=0.0, learn_rate_gaussian=0.0)
     model = DNN(7, 3, ModelConfig(hidden_layers=2, hidden_dim=5))
-    gen = pretrain_dbn(model, _epoch_batches(x), SingleCommunicator(), cfg, average_every=4,
+    gen = pretrain_dbn(model, _epoch_batches(x), _one_rank(), cfg, average_every=4,
                        device="cpu")
     _, rbms = _run(gen)
     p = rbms[0].hidden_probs(x).mean(dim=0)
@@ -272,7 +276,7 @@ def test_safeguard_rescales_a_blown_up_gaussian_rbm():
 def test_pretrain_dbn_rejects_non_sigmoid_models():
     model = DNN(7, 3, ModelConfig(hidden_layers=1, hidden_dim=5, nonlinearity="relu"))
     with pytest.raises(ValueError, match="sigmoid"):
-        next(pretrain_dbn(model, lambda e: [], SingleCommunicator(), RBMConfig(),
+        next(pretrain_dbn(model, lambda e: [], _one_rank(), RBMConfig(),
                           average_every=1, device="cpu"))
 
 

@@ -107,7 +107,7 @@ def test_data_error_met_by_one_rank_ends_the_job_once(poisoned_corpus, tmp_path,
     if launch == "labavg":
         command = [sys.executable, "-m", "labavg", *args, "--ranks", "2"]
     else:
-        from labavg.comm.world import mpiexec_command
+        from labavg.comm.launchers import mpiexec_command
 
         command = mpiexec_command(2, ["-m", "labavg", *args])
     start = time.monotonic()
@@ -129,7 +129,7 @@ def test_data_error_met_by_one_rank_ends_the_job_once(poisoned_corpus, tmp_path,
 ])
 def test_error_on_every_rank_is_printed_once(corpus, tmp_path, flags, says):
     """Direct mpiexec, every rank meets the same bad input: one message, exit 2, no run dir."""
-    from labavg.comm.world import mpiexec_command
+    from labavg.comm.launchers import mpiexec_command
 
     out = tmp_path / "run"
     args = _train_args(corpus, out, "--backend", "mpi", *flags)

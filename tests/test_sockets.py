@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labavg.comm.world import find_mpiexec, mpiexec_command
+from labavg.comm.launchers import find_mpiexec, mpiexec_command
 
 RANK_SCRIPT = """
 import os, sys, time

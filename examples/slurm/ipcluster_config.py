@@ -8,7 +8,7 @@ import sys
 c = get_config()  # noqa: F821 - provided by IPython's config loader
 
 c.Cluster.engine_launcher_class = "mpi"
-# The venv's MPICH (the same one mpi4py was built against), as labavg.comm.world.find_mpiexec.
+# The venv's MPICH (the same one mpi4py was built against), as labavg.comm.launchers.find_mpiexec.
 c.MPIEngineSetLauncher.mpi_cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec")]
 # "-launcher slurm": hydra starts its proxies with srun inside the allocation (no ssh).
 # Rank traffic must use a network every node reaches, so no loopback settings here; pick the

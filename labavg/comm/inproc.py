@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from labavg.comm.world import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_root
 
 
 class GroupAborted(RuntimeError):

@@ -2,7 +2,7 @@
 
 mpi4py is imported in the constructor, not at module import, so that merely importing this
 module (for type hints, docs) does not initialise MPI. Start ranks with the command from
-`labavg.comm.world.mpiexec_command`.
+`labavg.comm.launchers.mpiexec_command`.
 
 The mean is an in-place MPI_Allreduce(SUM) followed by a division by the size, as in Su & Chen
 (2015) model averaging; `labavg.comm.inproc` reproduces MPICH's summation order so that both
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from labavg.comm.world import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_root
 
 
 def query_cuda_aware(mpi: Any) -> bool:
@@ -132,3 +132,10 @@ def _local_rank(comm: Any, mpi: Any) -> int:
         return node.Get_rank()
     finally:
         node.Free()
+
+
+def world_rank_size() -> tuple[int, int]:
+    """(rank, size) of MPI_COMM_WORLD, initialising MPI if needed (not collective)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()

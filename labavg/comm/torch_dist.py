@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from labavg.comm.world import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_root
 
 DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")

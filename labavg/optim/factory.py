@@ -6,10 +6,9 @@ from typing import Any
 
 from torch import nn
 
+from labavg.config import OPTIMIZERS
 from labavg.errors import UserError
 from labavg.optim.base import Optimizer
-
-OPTIMIZERS = ("sgd", "ngsgd")
 
 
 def make_optimizer(name: str, model: nn.Module, **kw: Any) -> Optimizer:

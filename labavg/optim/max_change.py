@@ -111,13 +111,10 @@ class LinearTap:
         self.skip_weight_grad = skip_weight_grad
         self._records: list[list[list[torch.Tensor | None]]] = [[] for _ in self.layers]
         self._toggled: dict[int, list[torch.Tensor]] = {}
-        self._handles = []
         for index, layer in enumerate(self.layers):
             if skip_weight_grad:
-                self._handles.append(layer.register_forward_pre_hook(self._pre_hook))
-            self._handles.append(
-                layer.register_forward_hook(self._make_hook(index), always_call=True)
-            )
+                layer.register_forward_pre_hook(self._pre_hook)
+            layer.register_forward_hook(self._make_hook(index), always_call=True)
 
     def _pre_hook(self, layer: nn.Module, inputs: tuple) -> None:
         if torch.is_grad_enabled():
@@ -163,13 +160,6 @@ class LinearTap:
     def clear(self) -> None:
         """Forget all records (the step has used them)."""
         self._records = [[] for _ in self.layers]
-
-    def remove(self) -> None:
-        """Detach the hooks from the model."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self.clear()
 
 
 def find_linears(model: nn.Module) -> list[nn.Linear]:

@@ -20,13 +20,13 @@ in float64, as Kaldi does it on the CPU (in double for Z_t).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labavg.config import NGConfig  # noqa: F401 (declared with the other settings)
 from labavg.optim.base import StepStats
 from labavg.optim.max_change import (
     LayerUpdate,
@@ -39,39 +39,6 @@ from labavg.optim.max_change import (
 
 _F64 = torch.float64
 _CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class NGConfig:
-    """Settings of OnlineNaturalGradient (defaults: nnet2/nnet3 NaturalGradientAffineComponent)."""
-
-    rank_in: int = 20
-    rank_out: int = 80
-    update_period: int = 4
-    num_samples_history: float = 2000.0
-    alpha: float = 4.0
-    epsilon: float = 1.0e-10
-    delta: float = 5.0e-4
-    max_eta: float = 0.9  # Eta(): "don't let eta approach 1 too closely"
-    num_initial_updates: int = 10  # Updating(): hard-coded 10 in Kaldi
-    condition_threshold: float = 1.0e6  # PreconditionDirectionsInternal
-    orthogonality_threshold: float = 1.0e-3  # ReorthogonalizeRt1
-
-    def __post_init__(self) -> None:
-        # The same plausibility checks as OnlineNaturalGradient::InitDefault.
-        checks = {
-            "rank_in": self.rank_in > 0,
-            "rank_out": self.rank_out > 0,
-            "update_period": self.update_period > 0,
-            "num_samples_history": 0.0 < self.num_samples_history <= 1.0e6,
-            "alpha": self.alpha >= 0.0,
-            "epsilon": 0.0 < self.epsilon <= 1.0e-5,
-            "delta": 0.0 < self.delta <= 1.0e-2,
-            "max_eta": 0.0 < self.max_eta < 1.0,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"bad NGConfig value(s) {', '.join(f'{k}={getattr(self, k)}' for k in bad)}")
 
 
 class FisherState(NamedTuple):

@@ -57,7 +57,8 @@ def main(backend: str, out_dir: str) -> None:
     import labavg.comm.inproc
     import labavg.comm.mpi
     import labavg.comm.torch_dist  # noqa: F401 - importing must not start MPI
-    from labavg.comm.world import detect_launcher, open_communicator
+    from labavg.comm.launchers import detect_launcher
+    from labavg.comm.world import open_communicator
 
     mpi4py_before_open = "mpi4py" in sys.modules
     comm = open_communicator(backend)

@@ -1,0 +1,322 @@
+"""The run on screen: started here through labavg.launch, or followed from its run directory.
+
+Every blocking thing (training, starting MPI engines) happens on a worker thread, and the UI
+thread drains what the worker queued in a periodic callback (`LiveRun.drain`).
+
+    LiveRun       one run on screen (in-process workers, MPI engines, or monitor mode)
+    RunBuffers    what the live plots show about it, bounded in memory
+    RankSeries    per-rank bounded buffers of one curve, assembled into one row per step/round
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import param
+
+from dashboard.settings import RunSettings, new_run_dir
+from labavg.config import TrainConfig, to_dict
+from labavg.errors import UserError, one_line, user_error_of
+from labavg.index import CONFIG, EVENTS, SUMMARY, EventTail
+
+POINTS_PER_CURVE = 5000
+# Pending rows wait this long (in rows) for a late rank before they are emitted with a gap.
+_MAX_PENDING = 64
+
+
+class RankSeries:
+    """One quantity of every rank: bounded per-rank deques plus complete rows for streaming.
+
+    A row is (x, rank 0 value, ..., rank N-1 value, mean) and is emitted once every rank has
+    reported x (or, with a gap, when it is `_MAX_PENDING` rows behind), so the plots receive
+    one append per step instead of one per event.
+    """
+
+    def __init__(self, ranks: int, maxlen: int = POINTS_PER_CURVE) -> None:
+        self.ranks = ranks
+        self.points = [deque(maxlen=maxlen) for _ in range(ranks)]
+        self._pending: dict[float, np.ndarray] = {}
+        self._fresh: deque = deque(maxlen=maxlen)
+
+    def add(self, rank: int, x: float, y: float) -> None:
+        """Record rank's value y at x."""
+        if not 0 <= rank < self.ranks:
+            return
+        self.points[rank].append((x, y))
+        row = self._pending.get(x)
+        if row is None:
+            row = self._pending[x] = np.full(self.ranks, np.nan)
+        row[rank] = y
+        if not np.isnan(row).any():
+            self._emit(x, self._pending.pop(x))
+        elif len(self._pending) > _MAX_PENDING:
+            oldest = min(self._pending)
+            self._emit(oldest, self._pending.pop(oldest))
+
+    def _emit(self, x: float, row: np.ndarray) -> None:
+        finite = row[~np.isnan(row)]
+        mean = float(finite.mean()) if finite.size else math.nan
+        self._fresh.append((x, *row.tolist(), mean))
+
+    def flush(self) -> None:
+        """Emit the rows still waiting for a rank (at the end of a run)."""
+        for x in sorted(self._pending):
+            self._emit(x, self._pending.pop(x))
+
+    def take(self) -> list[tuple[float, ...]]:
+        """The complete rows since the last call, oldest first."""
+        rows = list(self._fresh)
+        self._fresh.clear()
+        return rows
+
+    def columns(self) -> list[str]:
+        """Column names of the rows: x, rank0..rankN-1, mean."""
+        return ["x", *(f"rank{r}" for r in range(self.ranks)), "mean"]
+
+
+@dataclasses.dataclass
+class RunBuffers:
+    """Everything the live plots show about one run, bounded in memory."""
+
+    ranks: int
+    maxlen: int = POINTS_PER_CURVE
+
+    def __post_init__(self) -> None:
+        self.loss = RankSeries(self.ranks, self.maxlen)  # x = step
+        self.divergence = RankSeries(self.ranks, self.maxlen)  # x = averaging round
+        self.compute = RankSeries(self.ranks, self.maxlen)  # x = averaging round
+        self.comm = RankSeries(self.ranks, self.maxlen)
+        self.fps = RankSeries(self.ranks, self.maxlen)
+        self.cv: deque = deque(maxlen=self.maxlen)  # (epoch, cv acc, train acc), rank 0
+        self.last_step = 0
+        self.finished: dict[str, Any] | None = None
+        self.messages: deque = deque(maxlen=20)
+
+    def add(self, event: dict[str, Any]) -> None:
+        """Route one event dict (labavg.events) into the buffers."""
+        kind, rank = event.get("type"), event.get("rank", 0)
+        if kind == "minibatch":
+            self.loss.add(rank, event["step"], event["loss"])
+            self.last_step = max(self.last_step, event["step"])
+        elif kind == "average":
+            rnd = event["round"]
+            self.divergence.add(rank, rnd, event["divergence"])
+            self.compute.add(rank, rnd, event["compute_seconds"])
+            self.comm.add(rank, rnd, event["comm_seconds"])
+            self.fps.add(rank, rnd, event["frames_per_second"])
+        elif kind == "epoch" and rank == 0:
+            self.cv.append((event["epoch"], event["cv_frame_accuracy"], event["train_frame_accuracy"]))
+        elif kind == "message":
+            self.messages.append(f"rank {rank}, step {event['step']}: {event['text']}")
+        elif kind == "run_finished" and rank == 0:
+            self.finished = event
+            for series in (self.loss, self.divergence, self.compute, self.comm, self.fps):
+                series.flush()
+
+
+class LiveRun(param.Parameterized):
+    """The run on screen. `start` trains on a worker thread; `follow` tails a run directory.
+
+    The worker only puts event dicts on a thread-safe queue; `drain` (called by the UI's
+    periodic callback, or by tests) moves them into bounded `RunBuffers`.
+    """
+
+    status = param.String(default="Idle. Set up a run and press Start, or follow a run directory.")
+    mode = param.Selector(default="idle", objects=["idle", "live", "monitor"])
+    running = param.Boolean(default=False)
+    run_dir = param.String(default="")
+    config = param.Dict(default={}, doc="config of the run on screen (not of the settings)")
+    generation = param.Integer(default=0, doc="bumped when a new run replaces the buffers")
+    error = param.String(default="")
+
+    def __init__(self, maxlen: int = POINTS_PER_CURVE, **params: Any) -> None:
+        super().__init__(**params)
+        self.maxlen = maxlen
+        self.buffers = RunBuffers(1, maxlen)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._outcome: queue.SimpleQueue = queue.SimpleQueue()
+        self._tail: EventTail | None = None
+        self._summary: dict[str, Any] | None = None
+
+    # -- starting and stopping -------------------------------------------------------------
+
+    def start(self, settings: RunSettings) -> bool:
+        """Start a run with `settings` on a worker thread; False (and a status) when it cannot."""
+        if self.running:
+            self.status = "A run is already in progress; stop it first."
+            return False
+        try:
+            # The name shows the K the run trains with (average_every_frames may set it).
+            k = settings.to_config(Path(settings.runs_dir) / "check").averaging_interval()
+            out = new_run_dir(Path(settings.runs_dir).expanduser(), settings.ranks, k)
+            cfg = settings.to_config(out)
+        except UserError as exc:
+            self.error = str(exc)
+            self.status = f"Cannot start: {exc}"
+            return False
+        backend = settings.backend
+        self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
+        launcher = "threads" if backend == "in-process workers" else "engines"
+        self._thread = threading.Thread(target=self._drive, args=(cfg, launcher), daemon=True,
+                                        name="labavg-dashboard-run")
+        self.running = True
+        self.status = f"Running {out.name} ({backend}, {cfg.ranks} ranks, K={cfg.averaging_interval()})…"
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        """Ask the run to stop at its next averaging round (all ranks stop together)."""
+        if self.running and self.mode == "live":
+            self._stop.set()
+            self.status = "Stopping at the next averaging round…"
+        elif self.mode == "monitor":
+            self.mode = "idle"
+            self.running = False
+            self.status = f"Stopped following {self.run_dir}."
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker thread; True when it has ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def _reset(self, ranks: int, config: dict[str, Any], run_dir: str, mode: str) -> None:
+        self.buffers = RunBuffers(ranks, self.maxlen)
+        self._events = queue.SimpleQueue()
+        self._outcome = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._summary = None
+        self.error = ""
+        self.param.update(config=config, run_dir=run_dir, mode=mode)
+        self.generation += 1
+
+    def _drive(self, cfg: TrainConfig, launcher: str) -> None:
+        """On the worker: start the run, relay its events, pass on a stop; report the outcome."""
+        from labavg.launch import start_run
+
+        handle = None
+        try:
+            handle = start_run(cfg, launcher=launcher)
+            stopping = False
+            while not handle.done():
+                for event in handle.poll():
+                    self._events.put(event)
+                if self._stop.is_set() and not stopping:
+                    handle.stop()
+                    stopping = True
+                time.sleep(0.05)
+            summary = handle.wait()
+            outcome = ("done", summary)
+        except BaseException as exc:  # noqa: BLE001 - shown in the page, not lost on a thread
+            outcome = ("failed", f"{type(exc).__name__}: {one_line(user_error_of(exc) or exc)}")
+        for event in handle.poll() if handle is not None else []:
+            self._events.put(event)
+        self._outcome.put(outcome)
+
+    # -- monitor mode ----------------------------------------------------------------------
+
+    def follow(self, run_dir: str | Path) -> bool:
+        """Follow a run directory another process (CLI, cluster) is writing; False if it is none."""
+        run_dir = Path(run_dir).expanduser()
+        if self.running and self.mode == "live":
+            self.status = "A run is in progress here; stop it before following another."
+            return False
+        if not run_dir.is_dir():
+            self.status = f"Cannot follow {run_dir}: not a directory"
+            return False
+        self._reset(1, {}, str(run_dir), "monitor")
+        self._tail = EventTail(run_dir / EVENTS)
+        self.running = True
+        self.status = f"Following {run_dir} (waiting for {CONFIG})…"
+        self._poll_monitor()
+        return True
+
+    def _poll_monitor(self) -> None:
+        run_dir = Path(self.run_dir)
+        if not self.config:
+            try:
+                config = json.loads((run_dir / CONFIG).read_text())
+            except (OSError, json.JSONDecodeError):
+                return  # rank 0 writes config.json with its first event; keep waiting
+            self.buffers = RunBuffers(int(config.get("ranks", 1)), self.maxlen)
+            self.config = config
+            self.generation += 1
+            self.status = f"Following {run_dir}…"
+        for event in self._tail.read():
+            self._events.put(event)
+        if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:
+            self.running = False
+            self.mode = "idle"
+            self.status = f"Finished: {run_dir.name} — {_finish_text(self.buffers.finished)}"
+
+    # -- the UI thread's periodic work -----------------------------------------------------
+
+    def drain(self, max_events: int = 200000) -> int:
+        """Move queued events into the buffers and update the status; returns how many moved."""
+        if self.mode == "monitor" and self._tail is not None:
+            self._poll_monitor()
+        moved = 0
+        add = self.buffers.add
+        while moved < max_events:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            add(event)
+            moved += 1
+        if self.mode == "monitor" and self.buffers.finished is not None and self.running:
+            self._poll_monitor()
+        if self.mode == "live":
+            self._check_outcome()
+        return moved
+
+    def _check_outcome(self) -> None:
+        try:
+            kind, value = self._outcome.get_nowait()
+        except queue.Empty:
+            if self.running and self.buffers.last_step and not self._stop.is_set():
+                self.status = f"Running {Path(self.run_dir).name}: step {self.buffers.last_step}"
+            return
+        # The worker has ended: take the events it queued last, then report.
+        while True:
+            try:
+                self.buffers.add(self._events.get_nowait())
+            except queue.Empty:
+                break
+        for series in (self.buffers.loss, self.buffers.divergence, self.buffers.compute,
+                       self.buffers.comm, self.buffers.fps):
+            series.flush()
+        self.running = False
+        self.mode = "idle"
+        if kind == "failed":
+            self.error = value
+            self.status = f"Run failed: {value}"
+        else:
+            self._summary = value
+            finished = self.buffers.finished or {}
+            word = "Stopped" if finished.get("stopped") or self._stop.is_set() else "Finished"
+            self.status = f"{word}: {Path(self.run_dir).name} — {_finish_text(finished)}"
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        """rank 0's summary of the last run started here, once it has ended."""
+        return self._summary
+
+
+def _finish_text(finished: dict[str, Any]) -> str:
+    if not finished:
+        return "no summary"
+    return (f"step {finished.get('step')}, CV frame accuracy {100 * finished.get('cv_frame_accuracy', 0):.1f}%, "
+            f"{finished.get('wall_seconds', 0):.1f} s")

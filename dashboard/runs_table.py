@@ -1,0 +1,107 @@
+"""The past runs: the runs index of a runs directory as the dashboard's table, overlays, CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import param
+
+from labavg.index import EVENTS, fill_speedups, list_runs, read_events, run_row
+
+
+TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "schedule", "pretrain",
+                 "minibatch", "epochs", "model", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss",
+                 "wall_s", "comm_pct", "speedup", "efficiency")
+
+
+def _table_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The dashboard's columns of a `labavg.index.run_row`: percentages, short names."""
+
+    def pct(value):
+        return None if value is None else round(100 * value, 2)
+
+    return {
+        "run": row["run"], "status": row["status"], "backend": row["backend"],
+        "ranks": row["ranks"], "K": row["average_every"], "optimizer": row["optimizer"],
+        "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
+        "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
+        "wer_pct": row["wer"], "per_pct": row["per"],
+        "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
+        "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
+        "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
+    }
+
+
+class RunTable(param.Parameterized):
+    """The runs under `runs_dir`: one row each (config + summary), overlay selection, CSV."""
+
+    runs_dir = param.String(default="runs")
+    rows = param.List(default=[], doc="one dict per run, TABLE_COLUMNS keys, oldest first")
+    selected = param.List(default=[], doc="names of the runs to overlay")
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self._configs: dict[str, dict[str, Any]] = {}
+
+    def refresh(self) -> list[dict[str, Any]]:
+        """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
+        records = list_runs(Path(self.runs_dir))
+        rows = [run_row(r.name, r.config, r.summary) for r in records]
+        fill_speedups(rows, records)
+        rows = [_table_row(row) for row in rows]
+        configs = {r.name: r.config for r in records}
+        self._configs = configs
+        self.selected = [name for name in self.selected if name in configs]
+        self.rows = rows
+        return rows
+
+    def config_of(self, name: str) -> dict[str, Any]:
+        """The config dict of run `name`."""
+        return self._configs[name]
+
+    def to_csv(self) -> str:
+        """The table as CSV text (header + one line per run)."""
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(TABLE_COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(self.rows)
+        return out.getvalue()
+
+    def overlay(self) -> dict[str, dict[str, list[float]]]:
+        """For each selected run: its mean training loss by frames trained and its CV accuracy.
+
+        x is frames over all ranks (step x minibatch x ranks) so runs with different numbers
+        of ranks line up.
+        """
+        root = Path(self.runs_dir).expanduser()
+        curves = {}
+        for name in self.selected:
+            config = self._configs.get(name)
+            if config is None:
+                continue
+            scale = config.get("minibatch", 1) * config.get("ranks", 1)
+            sums: dict[int, list[float]] = {}
+            cv_x, cv_y = [], []
+            for event in read_events(root / name) if (root / name / EVENTS).is_file() else []:
+                if event.get("type") == "minibatch":
+                    sums.setdefault(event["step"], []).append(event["loss"])
+                elif event.get("type") == "epoch" and event.get("rank") == 0:
+                    cv_x.append(event["step"] * scale)
+                    cv_y.append(100 * event["cv_frame_accuracy"])
+            steps = sorted(sums)
+            curves[name] = {
+                "frames": [s * scale for s in steps],
+                "loss": [float(np.mean(sums[s])) for s in steps],
+                "cv_frames": cv_x, "cv_acc_pct": cv_y,
+            }
+        return curves
+
+    def scaling(self) -> list[dict[str, Any]]:
+        """(ranks, speedup, efficiency, K, run) of the finished runs with a known speedup."""
+        return [{"ranks": r["ranks"], "speedup": r["speedup"], "efficiency": r["efficiency"],
+                 "K": r["K"], "run": r["run"]}
+                for r in self.rows if r["status"] == "finished" and r["speedup"] is not None]

@@ -1,0 +1,30 @@
+"""Checks every backend makes on what it is handed: a collective writes the caller's memory."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+def check_buffer(buf: torch.Tensor) -> None:
+    """Raise TypeError/ValueError unless `buf` is a flat contiguous float32/float64 tensor.
+
+    The collectives write into the buffer's memory directly (numpy views for MPI), so a strided
+    view or a copy would silently not update the caller's parameters.
+    """
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"collective buffer must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"collective buffer must be float32 or float64, got {buf.dtype}")
+    if buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(
+            f"collective buffer must be flat (1-D) and contiguous, got shape {tuple(buf.shape)}"
+            f" contiguous={buf.is_contiguous()}"
+        )
+
+
+def check_root(root: int, size: int) -> None:
+    """Raise ValueError unless `root` is a rank of a group of `size`."""
+    if not 0 <= root < size:
+        raise ValueError(f"broadcast root {root} is not a rank of a group of {size}")

@@ -1,0 +1,125 @@
+"""Launchers: which one started this process, and the mpiexec command that starts ranks here.
+
+Imports neither torch nor mpi4py: a launcher only reads the environment and builds commands.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from labavg.errors import UserError
+
+# Environment variables that only a launcher sets. MPICH's hydra (and Slurm's srun --mpi=pmi2)
+# set PMI_RANK/PMI_SIZE, PMIx launchers PMIX_RANK, Open MPI's mpirun OMPI_COMM_WORLD_RANK.
+_MPI_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+# A local MPICH run would otherwise open its netmod listeners on every interface: libfabric's tcp
+# provider on the loopback keeps rank traffic on 127.0.0.1 (same-host data moves through shared
+# memory anyway).
+LOOPBACK_MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}
+# hydra tells its proxies to connect back to `mpiexec` at this host's name, which may resolve
+# to an external address; -localhost makes that connection loopback. It does not move the
+# control port's listener: hydra binds it to INADDR_ANY whatever the options (-iface,
+# -localhost, HYDRA_IFACE all measured; see docs/cluster.md, "Listening sockets").
+LOOPBACK_HYDRA_ARGS = ("-localhost", "127.0.0.1")
+
+
+def detect_launcher(env: Mapping[str, str] | None = None) -> str | None:
+    """Which launcher started this process: "torch" (torchrun), "mpi" (mpiexec/srun), or None.
+
+    torchrun is checked first because a torchrun started inside an MPI/Slurm job inherits the
+    job's PMI variables, while the converse does not happen.
+    """
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("LOCAL_RANK", "WORLD_SIZE", "RANK")):
+        return "torch"
+    if any(k in env for k in _MPI_RANK_VARS):
+        return "mpi"
+    return None
+
+
+def launcher_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher set it in the environment (0 outside a launcher)."""
+    env = os.environ if env is None else env
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "RANK"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 0
+
+
+def find_mpiexec() -> Path:
+    """The mpiexec of the venv's MPICH wheel (beside sys.executable), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise UserError(
+            f"mpiexec not found beside {sys.executable} nor on PATH; install the 'mpich' wheel"
+        )
+    return Path(found)
+
+
+def _is_hydra(mpiexec: Path) -> bool:
+    """MPICH's hydra ships hydra_pmi_proxy beside mpiexec; Open MPI's mpirun does not."""
+    return (mpiexec.parent / "hydra_pmi_proxy").exists()
+
+
+def mpiexec_command(n: int, argv: list[str], *, hosts: str | None = None) -> list[str]:
+    """The command that runs `python *argv` as `n` MPI ranks, e.g. argv=["-m", "labavg", "train", ...].
+
+    `hosts` is a comma-separated host list ("h1,h2"; hydra also takes "h1:4,h2:4"). Without it the run
+    stays on this machine: for hydra we pass `-launcher fork` so that it neither tries ssh nor
+    picks up a surrounding Slurm allocation (hydra already forks for the local host, but being
+    explicit keeps a local run local), LOOPBACK_HYDRA_ARGS so its proxy connects back over
+    127.0.0.1, and LOOPBACK_MPICH_ENV so the ranks listen on 127.0.0.1 only. hydra's own control
+    port still binds 0.0.0.0 for the run's duration, and the ranks inherit that socket (no
+    option moves it; MPICH's gforker, which has no such port, loses a killed rank's exit status
+    and waits forever on a rank that exits early, so it is no substitute).
+    """
+    if n < 1:
+        raise UserError(f"number of ranks must be at least 1, got {n}")
+    mpiexec = find_mpiexec()
+    command = [str(mpiexec), "-n", str(n)]
+    if hosts:
+        command += ["-hosts" if _is_hydra(mpiexec) else "--host", hosts]
+    else:
+        command += local_mpiexec_args(mpiexec)
+    return command + [sys.executable, *argv]
+
+
+def local_mpiexec_args(mpiexec: Path, *, auto_cleanup: bool = True) -> list[str]:
+    """mpiexec's options that keep a job on this machine and its traffic on 127.0.0.1 (hydra).
+
+    `-launcher fork` keeps hydra off ssh and off a surrounding Slurm allocation,
+    LOOPBACK_HYDRA_ARGS its proxy connection and LOOPBACK_MPICH_ENV the ranks' listeners on the
+    loopback. `auto_cleanup=False` (-disable-auto-cleanup): when one rank dies hydra does not
+    kill the others at once, so a watcher can see which one went first. Other mpiexecs get
+    nothing: their own defaults stay local.
+    """
+    if not _is_hydra(mpiexec):
+        return []
+    args = ["-launcher", "fork", *LOOPBACK_HYDRA_ARGS]
+    args += [] if auto_cleanup else ["-disable-auto-cleanup"]
+    for name, value in LOOPBACK_MPICH_ENV.items():
+        args += ["-genv", name, value]
+    return args
+
+
+def torchrun_command(n: int, argv: list[str]) -> list[str]:
+    """The command that runs `python *argv` as `n` torch.distributed ranks on this machine.
+
+    The rendezvous listens on 127.0.0.1, on a port free when this is called.
+    """
+    if n < 1:
+        raise UserError(f"number of ranks must be at least 1, got {n}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), *argv]

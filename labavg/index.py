@@ -1,0 +1,190 @@
+"""The runs index: reading run directories back, for `labavg info`, sweeps, the reproduction,
+the dashboard and notebooks.
+
+    EventTail / read_events   the one reader of events.jsonl (a growing file, or a finished one)
+    list_runs                 the runs under a directory: name, config and summary of each
+    run_row                   the one projection of a run into a table row (every table's source)
+    find_baseline / fill_speedups   the one rule for which 1-rank run a speedup is measured against
+
+A row's K is the effective averaging interval (`average_every_frames` turned into minibatches
+when it is set), as summary.json records it: every table shows the K the run trained with.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EVENTS = "events.jsonl"
+SUMMARY = "summary.json"
+CONFIG = "config.json"
+
+# Settings that may differ between runs that are still "the same configuration" for speedup.
+PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
+                 "tensorboard", "watchdog_seconds")
+
+
+class EventTail:
+    """Reads the lines appended to an events.jsonl since the last call.
+
+    A last line without its newline is still being written: it is kept and completed by the
+    next read, so a reader never parses half a JSON object.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def read(self, max_bytes: int = 16 << 20) -> list[dict[str, Any]]:
+        """New complete events (at most `max_bytes` read per call, so one call stays short)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(max_bytes)
+        except FileNotFoundError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        *lines, self._partial = data.split(b"\n")
+        events = []
+        for line in lines:
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn line from a crashed writer: skip, keep following
+        return events
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """All events of a run directory as dicts; a last line still being written is skipped.
+
+    FileNotFoundError when the run has no events.jsonl.
+    """
+    path = Path(run_dir) / EVENTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    tail, events = EventTail(path), []
+    while True:
+        chunk = tail.read(1 << 30)
+        if not chunk:
+            return events
+        events += chunk
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in `path`, or None when it is missing or not (yet) valid."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run directory as found: its config.json and, once it has ended, its summary.json."""
+
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def list_runs(root: Path) -> list[RunRecord]:
+    """The runs directly under `root`, by name; a directory without config.json is not a run yet."""
+    root = Path(root).expanduser()
+    records = []
+    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+        config = read_json(run_dir / CONFIG)
+        if isinstance(config, dict):
+            summary = read_json(run_dir / SUMMARY)
+            records.append(RunRecord(run_dir, config, summary if isinstance(summary, dict) else None))
+    return records
+
+
+def effective_k(config: dict[str, Any]) -> int | None:
+    """The minibatches between averaging rounds a config dict trains with (TrainConfig's rule)."""
+    frames, minibatch = config.get("average_every_frames"), config.get("minibatch")
+    if frames is not None and minibatch:
+        return max(1, round(frames / minibatch))
+    return config.get("average_every")
+
+
+def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The row every table of runs is cut from: settings from the config, results from the summary.
+
+    Results are None until the run has a summary; `status` is finished, stopped or
+    running/incomplete.
+    """
+    s = summary or {}
+    model = config.get("model", {})
+    low, high = s.get("wer_ci") or (None, None)
+    status = "running/incomplete" if summary is None else ("stopped" if s.get("stopped") else "finished")
+    return {
+        "run": name, "status": status, "backend": config.get("backend"),
+        "ranks": s.get("ranks", config.get("ranks")),
+        "average_every": s.get("average_every", effective_k(config)),
+        "optimizer": config.get("optimizer"), "lr": config.get("lr"),
+        "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
+        "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),
+        "seed": config.get("seed"),
+        "model": f"{model.get('hidden_layers')}x{model.get('hidden_dim')}",
+        "wer": s.get("wer"), "wer_ci_low": low, "wer_ci_high": high, "per": s.get("per"),
+        "cv_frame_accuracy": s.get("cv_frame_accuracy"), "cv_loss": s.get("cv_loss"),
+        "wall_seconds": s.get("wall_seconds"), "compute_seconds": s.get("compute_seconds"),
+        "comm_seconds": s.get("comm_seconds"), "comm_fraction": s.get("comm_fraction"),
+        "speedup": s.get("speedup"), "parallel_efficiency": s.get("parallel_efficiency"),
+    }
+
+
+def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """`run_row` of a finished run from its summary.json alone (which holds its config)."""
+    return run_row(name, summary.get("config", {}), summary)
+
+
+def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without the parallel settings: equal for runs whose speedups compare."""
+    return {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS}
+
+
+def _is_baseline(config: dict[str, Any], summary: dict[str, Any] | None) -> bool:
+    return (summary is not None and not summary.get("stopped") and summary.get("ranks") == 1
+            and bool(summary.get("wall_seconds")))
+
+
+def find_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """Summary of a finished 1-rank run of the same configuration beside `run_dir`, if any.
+
+    Runs are the same configuration when everything but the parallel settings (ranks,
+    backend, device, output directory, logging) is equal, the learning rate included: with
+    `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
+    """
+    want = comparable_config(config)
+    here = Path(run_dir).resolve()
+    found = [r.summary for r in list_runs(here.parent)
+             if r.path.resolve() != here and _is_baseline(r.config, r.summary)
+             and comparable_config(r.summary.get("config", r.config)) == want]
+    return found[-1] if found else None
+
+
+def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
+    """Give finished rows without a speedup one from a 1-rank run of the same configuration.
+
+    (summary.json only has a speedup when the baseline finished *before* the run.)
+    """
+    key = lambda config: json.dumps(comparable_config(config), sort_keys=True)  # noqa: E731
+    baselines = {key(r.config): r.summary["wall_seconds"] for r in records
+                 if _is_baseline(r.config, r.summary)}
+    for row, record in zip(rows, records):
+        if row["status"] != "finished" or row["speedup"] is not None or not row["wall_seconds"]:
+            continue
+        base = baselines.get(key(record.config))
+        if base is not None:
+            row["speedup"] = base / row["wall_seconds"]
+            row["parallel_efficiency"] = row["speedup"] / row["ranks"]

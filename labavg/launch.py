@@ -1,0 +1,369 @@
+"""Starting a run: the one place that does it, whoever asks (CLI, sweeps, the reproduction,
+the dashboard, notebooks).
+
+`start_run(cfg)` returns a handle with `poll()` (the events that arrived since the last call,
+as dicts), `stop()` (all ranks stop together at the next averaging round, with a checkpoint),
+`wait()` (rank 0's summary) and `done()`. Three implementations:
+
+    ThreadRun    the run in a thread of this process (backend inproc, or a 1-rank mpi run)
+    JobRun       a job of processes under mpiexec (backend mpi) or torchrun (backend torch);
+                 this process owns it: it holds the run directory's lock, checks what can be
+                 checked once, and mpiexec/torchrun end when it dies, however it dies
+    EnginesRun   the ranks of an ipyparallel cluster of MPI engines (labavg.cluster)
+
+A job's configuration travels as a file (RUN_DIR/.launch.json, removed when the job ends),
+never as re-parsed flags: its ranks run `labavg train --config-json FILE`. `allow_pipes`
+travels on the ranks' command line only, so no file can switch it on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from labavg.config import TrainConfig, config_from_dict, to_dict, validate
+from labavg.errors import UserError
+
+LAUNCH_FILE = ".launch.json"
+STOP_FILE = ".stop"
+LAUNCHERS = ("threads", "job", "engines")
+_POLL_SECONDS = 0.05
+
+
+class RunHandle(Protocol):
+    """What every way of running a configuration gives back."""
+
+    def poll(self) -> list[dict[str, Any]]:
+        """The events (dicts, labavg.events) that arrived since the last call."""
+
+    def stop(self) -> None:
+        """Ask every rank to stop at the next averaging round; returns at once."""
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Block until the run ends; rank 0's summary. Raises what ended a failed run."""
+
+    def done(self) -> bool:
+        """Whether the run has ended (finished, stopped or failed)."""
+
+
+class JobFailed(RuntimeError):
+    """A job's processes ended with a non-zero exit status, already explained on stderr."""
+
+    def __init__(self, run_dir: Path, code: int):
+        super().__init__(f"the job writing {run_dir} failed (exit status {code})")
+        self.run_dir = run_dir
+        self.code = code
+
+
+def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = None,
+              allow_pipes: bool = False, hosts: str | None = None, progress: bool = False,
+              cwd: str | Path | None = None, cluster=None) -> RunHandle:
+    """Start `cfg` (validated here) and return its handle at once; UserError if it cannot start.
+
+    `launcher` None picks by backend: threads for inproc and a local 1-rank mpi run, a job
+    for mpi and torch. `hosts` (MPICH host list) runs an mpi job on other machines. `cwd` runs
+    the ranks in that directory (Kaldi resolves scp paths against it), as a job of one process
+    when the backend needs no launcher. `cluster` (a labavg.cluster.Cluster) runs on its
+    engines; without one, "engines" starts a cluster of cfg.ranks engines for the run.
+    `allow_pipes` lets data files run commands; only the command line's --allow-pipes sets it.
+    """
+    cfg = validate(cfg)
+    if launcher is None:
+        launcher = "engines" if cluster is not None else _default_launcher(cfg, hosts, cwd)
+    if launcher == "threads":
+        if cwd is not None:
+            raise UserError("cwd needs processes: a thread cannot have a working directory of its own")
+        return ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress)
+    if launcher == "job":
+        return JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts, progress=progress,
+                      cwd=cwd)
+    if launcher == "engines":
+        return EnginesRun(cfg, resume=resume, cluster=cluster)
+    raise UserError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+
+
+def _default_launcher(cfg: TrainConfig, hosts: str | None, cwd: str | Path | None) -> str:
+    if cfg.backend == "torch" or (cfg.backend == "mpi" and (cfg.ranks > 1 or hosts)):
+        return "job"
+    return "job" if cwd is not None else "threads"
+
+
+# -- threads in this process ------------------------------------------------------------------
+
+
+class ThreadRun:
+    """`run_training` on a thread of this process; its events queued for `poll`."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
+                 progress: bool = False):
+        self.cfg = cfg
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._summary: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(resume, allow_pipes, progress), daemon=True,
+            name=f"labavg-run-{Path(cfg.out).name}")
+        self._thread.start()
+
+    def _run(self, resume: bool, allow_pipes: bool, progress: bool) -> None:
+        from labavg.runs import run_training
+
+        try:
+            self._summary = run_training(self.cfg, resume=resume, progress=progress,
+                                         on_event=lambda ev: self._events.put(ev.to_dict()),
+                                         should_stop=self._stop.is_set, allow_pipes=allow_pipes)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._error = exc
+
+    def poll(self) -> list[dict[str, Any]]:
+        return _drain(self._events)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        _join(self._thread, timeout, self.cfg.out)
+        if self._error is not None:
+            raise self._error
+        return self._summary
+
+
+def _drain(events: queue.SimpleQueue) -> list[dict[str, Any]]:
+    out = []
+    while True:
+        try:
+            out.append(events.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def _join(thread: threading.Thread, timeout: float | None, what: str) -> None:
+    # Short joins, so that Ctrl-C reaches the waiting (main) thread.
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while thread.is_alive():
+        thread.join(0.2)
+        if deadline is not None and time.monotonic() > deadline and thread.is_alive():
+            raise TimeoutError(f"run {what} still going after {timeout} s")
+
+
+# -- a job of processes under mpiexec or torchrun ---------------------------------------------
+
+
+def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
+    """In a rank started by JobRun: (config, resume, stop file) from its launch file."""
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the launch file {path}: {exc}") from None
+    cfg = validate(config_from_dict(values.get("config"), str(path)))
+    return cfg, bool(values.get("resume")), values.get("stop_file")
+
+
+def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None) -> list[str]:
+    """The command running `python *argv` as the job's ranks: mpiexec, torchrun, or plain."""
+    from labavg.comm.launchers import mpiexec_command, torchrun_command
+
+    if cfg.backend == "mpi":
+        return mpiexec_command(cfg.ranks, argv, hosts=hosts)
+    if cfg.backend == "torch":
+        if hosts:
+            raise UserError("--hosts is for the mpi backend; start torchrun on every node instead")
+        return torchrun_command(cfg.ranks, argv)
+    return [sys.executable, *argv]
+
+
+class JobRun:
+    """A job this process owns: the run directory's lock, the launch file, mpiexec/torchrun.
+
+    What hydra prints about a failed job is replaced by one line naming the lost or failed
+    rank; a message every rank printed is printed once.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
+                 hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None):
+        from labavg.runs import EventTail, EVENTS, LOCK_HELD_ENV, preflight, run_dir_lock
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.out) if cwd is None else Path(cwd) / cfg.out
+        self.code: int | None = None
+        self._tail = EventTail(self.run_dir / EVENTS)
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(run_dir_lock(self.run_dir))
+        try:
+            if cwd is None:  # else the one rank checks, where its relative paths mean something
+                preflight(cfg, resume=resume, allow_pipes=allow_pipes)
+            launch_file = self.run_dir / LAUNCH_FILE
+            self._stop_file = self.run_dir / STOP_FILE
+            self._stop_file.unlink(missing_ok=True)
+            from labavg.checkpoint import atomic_write_text
+
+            atomic_write_text(launch_file, json.dumps(
+                {"config": to_dict(cfg), "resume": resume,
+                 "stop_file": str(self._stop_file.resolve())}, indent=2) + "\n")
+            self._held.callback(launch_file.unlink, missing_ok=True)
+            self._held.callback(self._stop_file.unlink, missing_ok=True)
+            argv = ["-m", "labavg", "train", "--config-json", str(launch_file.resolve())]
+            argv += [] if progress else ["--no-progress"]
+            argv += ["--allow-pipes"] if allow_pipes else []
+            # The ranks import the labavg this process runs, whatever their working directory.
+            here = str(Path(__file__).resolve().parents[1])
+            path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, LOCK_HELD_ENV: str(self.run_dir.resolve()), "PYTHONPATH": path}
+            self._proc = subprocess.Popen(
+                job_command(cfg, argv, hosts=hosts), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                preexec_fn=_end_with_parent if sys.platform == "linux" else None)
+        except BaseException:
+            self._held.close()
+            raise
+        self._lost_pids: set[int] = set()
+        self._errors: list[str] = []
+        self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
+                                       name="labavg-job-stderr")
+        self._relay.start()
+        self._watch = threading.Thread(target=self._follow, daemon=True, name="labavg-job")
+        self._watch.start()
+
+    def _relay_stderr(self) -> None:
+        for line in self._proc.stderr:
+            if line.startswith("labavg: error:"):
+                # Every rank that met the same error says so: print it once.
+                message = re.sub(r"^labavg: error: rank \d+: ", "labavg: error: ", line)
+                if message in self._errors:
+                    continue
+                self._errors.append(message)
+            elif any(mark in line for mark in _HYDRA_NOISE):
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def _follow(self) -> None:
+        try:
+            for line in self._proc.stdout:
+                # Hydra reports a lost process ("PID n RUNNING AT host") in a banner on stdout.
+                self._lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
+                if any(line.startswith(mark) for mark in _HYDRA_NOISE):
+                    continue
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            code = self._proc.wait()
+            self._relay.join()
+            if code != 0 and not self._errors:
+                print(f"labavg: error: the {_job_kind(self.cfg)} job failed (exit status {code}); "
+                      f"{_lost_ranks(self.run_dir, self._lost_pids)}{_last_steps(self.run_dir)}",
+                      file=sys.stderr)
+            self.code = code
+        finally:
+            self._held.close()
+
+    def poll(self) -> list[dict[str, Any]]:
+        return self._tail.read()
+
+    def stop(self) -> None:
+        # Every rank looks for the file at each averaging round and they agree to stop.
+        if not self.done():
+            self._stop_file.touch()
+
+    def done(self) -> bool:
+        return not self._watch.is_alive()
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        from labavg.runs import SUMMARY
+
+        _join(self._watch, timeout, str(self.run_dir))
+        if self.code != 0:
+            raise JobFailed(self.run_dir, self.code if self.code is not None else -1)
+        path = self.run_dir / SUMMARY
+        return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _job_kind(cfg: TrainConfig) -> str:
+    return {"mpi": "MPI", "torch": "torchrun"}.get(cfg.backend, "training")
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+# What hydra and MPICH print about a failed job, which labavg's own message replaces.
+_HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
+                "application called MPI_Abort")
+
+
+def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
+    """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
+    from labavg.runs import EVENTS, read_events
+
+    if not pids or not (run_dir / EVENTS).is_file():
+        return ""
+    ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
+    return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
+
+
+def _last_steps(run_dir: Path) -> str:
+    """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
+    from labavg.runs import EVENTS, read_events
+
+    if not (run_dir / EVENTS).is_file():
+        return "no rank logged any event"
+    last: dict[int, int] = {}
+    for event in read_events(run_dir):
+        if "step" in event:
+            last[event["rank"]] = max(last.get(event["rank"], 0), event["step"])
+    return ", ".join(f"rank {r} last event at step {s}" for r, s in sorted(last.items()))
+
+
+# -- ipyparallel engines ----------------------------------------------------------------------
+
+
+class EnginesRun:
+    """The run on the MPI engines of a `labavg.cluster.Cluster` (one started for it if none)."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, cluster=None):
+        # Imported here: ipyparallel engines are optional and may be missing or broken.
+        from labavg.cluster import Cluster
+
+        self._owned = cluster is None
+        self.cluster = Cluster.start(cfg.ranks) if cluster is None else cluster
+        try:
+            self.handle = self.cluster.submit(cfg, resume=resume)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._owned:
+            self.cluster.shutdown()
+
+    def poll(self) -> list[dict[str, Any]]:
+        return self.handle.poll()
+
+    def stop(self) -> None:
+        self.handle.stop()
+
+    def done(self) -> bool:
+        return self.handle.done
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        try:
+            return self.handle.wait(timeout)
+        finally:
+            self._release()

@@ -1,0 +1,138 @@
+"""labavg.launch: every way of starting a run gives the same handle and the same run directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from labavg.config import DataConfig, to_dict
+from labavg.errors import UserError
+from labavg.launch import LAUNCH_FILE, JobFailed, start_run
+from labavg.runs import read_events
+
+from test_dataset_errors import make_data_dir, small_corpus
+from test_train import small_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _until_done(handle, timeout: float = 120.0) -> list[dict]:
+    events, deadline = [], time.monotonic() + timeout
+    while not handle.done():
+        assert time.monotonic() < deadline, "run did not end"
+        events += handle.poll()
+        time.sleep(0.05)
+    return events + handle.poll()
+
+
+def test_threads_stream_every_rank_and_return_the_summary(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "t", epochs=1)
+    handle = start_run(cfg)
+    events = _until_done(handle)
+    summary = handle.wait()
+    assert summary["ranks"] == 2 and summary["stopped"] is False
+    assert {e["rank"] for e in events if e["type"] == "minibatch"} == {0, 1}
+    assert len(events) == len(read_events(tmp_path / "t"))
+
+
+def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
+    out = tmp_path / "mpi"
+    cfg = small_config(corpus, out, backend="mpi", epochs=3, checkpoint_every=1)
+    handle = start_run(cfg)
+    assert json.loads((out / LAUNCH_FILE).read_text())["config"] == to_dict(cfg)
+    events, deadline = [], time.monotonic() + 120
+    while not any(e["type"] == "average" for e in events):
+        assert time.monotonic() < deadline and not handle.done(), "no averaging round came"
+        events += handle.poll()
+        time.sleep(0.05)
+    handle.stop()
+    summary = handle.wait(120)
+    events += handle.poll()
+    per_epoch = next(e["steps_per_epoch"] for e in events if e["type"] == "run_started")
+    assert summary["stopped"] is True and summary["ranks"] == 2
+    assert summary["steps"] < 3 * per_epoch  # ended before its last epoch
+    assert {e["rank"] for e in events if e["type"] == "run_finished"} == {0, 1}
+    assert not (out / LAUNCH_FILE).exists() and not (out / ".stop").exists()
+    # the stopped run resumes through the same seam, to its end
+    finished = start_run(cfg, resume=True).wait(300)
+    assert finished["stopped"] is False and finished["steps"] == 3 * per_epoch
+
+
+def test_torchrun_job_trains_every_rank(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "tr", backend="torch", epochs=1)
+    summary = start_run(cfg).wait(180)
+    assert summary["ranks"] == 2 and summary["backend"] == "torch"
+    ranks = {e["rank"] for e in read_events(tmp_path / "tr") if e["type"] == "run_finished"}
+    assert ranks == {0, 1}
+
+
+def test_cwd_runs_the_ranks_where_relative_paths_mean_something(corpus, tmp_path):
+    recipe = tmp_path / "recipe"
+    shutil.copytree(corpus, recipe / "data" / "train")
+    out = tmp_path / "runs" / "rel"
+    cfg = small_config(corpus, out, ranks=1, epochs=1)
+    cfg = replace(cfg, data=replace(cfg.data, data="data/train"))
+    with pytest.raises(UserError, match="data/train"):  # not from here
+        start_run(cfg).wait()
+    summary = start_run(cfg, cwd=recipe).wait(120)
+    assert summary["config"]["data"]["data"] == "data/train"
+    assert Path.cwd() != recipe and (out / "summary.json").is_file()
+
+
+def test_a_job_checks_the_data_before_any_rank_starts(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs, num_pdfs=5)
+    (folder / "cmvn.scp").write_text("utt0 true |\n")
+    cfg = small_config(folder, tmp_path / "p", ranks=1, minibatch=8)
+    cfg = replace(cfg, data=DataConfig(data=str(folder), context=1, buffer_frames=2048))
+    # the launcher checks before any rank starts: a pipe in a data file is refused there
+    with pytest.raises(UserError, match="is a pipe"):
+        start_run(cfg, launcher="job")
+    assert not (tmp_path / "p").exists()
+
+
+def test_allow_pipes_never_comes_from_the_launch_file(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs, num_pdfs=5)
+    marker = tmp_path / "MARKER"
+    (folder / "cmvn.scp").write_text(f"utt0 touch {marker} |\n")
+    cfg = small_config(folder, tmp_path / "run", ranks=1, minibatch=8)
+    cfg = replace(cfg, data=DataConfig(data=str(folder), context=1, buffer_frames=2048))
+    launch = tmp_path / "launch.json"
+    launch.write_text(json.dumps({"config": to_dict(cfg), "resume": False, "allow_pipes": True}))
+    proc = subprocess.run([sys.executable, "-m", "labavg", "train", "--config-json", str(launch),
+                           "--no-progress"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "is a pipe" in proc.stderr and not marker.exists()
+
+
+def test_job_failure_is_an_exit_status(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "f", backend="mpi", inject_fault="raise@rank1:step2")
+    handle = start_run(cfg)
+    with pytest.raises(JobFailed) as info:
+        handle.wait(120)
+    assert info.value.code != 0 and handle.done()
+    assert not (tmp_path / "f" / LAUNCH_FILE).exists()
+
+
+def test_an_in_process_run_leaves_torch_threads_as_they_were(corpus, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 2 if before != 2 else 1
+    torch.set_num_threads(want)
+    try:
+        cfg = small_config(corpus, tmp_path / "th", ranks=1, epochs=1, threads=1)
+        handle = start_run(cfg)
+        while not handle.done():
+            time.sleep(0.01)
+        handle.wait()
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
