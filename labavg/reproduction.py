@@ -14,12 +14,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from labavg import costmodel
 from labavg.checkpoint import atomic_write_text
 from labavg.index import list_runs, summary_row
 from labavg.runs import read_summary
+
+if TYPE_CHECKING:
+    from labavg.sweep import Sweep
 
 # Draft tables of Su & Chen (2015): WER % on the SWB test set; 1-GPU baseline 14.7.
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}

@@ -7,7 +7,6 @@ import re
 import tomllib
 from pathlib import Path
 
-import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet

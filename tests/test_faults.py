@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

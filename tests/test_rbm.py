@@ -18,7 +18,6 @@ from labavg.rbm import (
     RBM,
     CD1Trainer,
     RBMConfig,
-    RBMEvent,
     momentum_at,
     pretrain_dbn,
     rbm_cd1_gradients,
