@@ -35,6 +35,10 @@ import torch
 
 HEARTBEAT_DIR = "heartbeat"
 TICK_SECONDS = 1.0
+# A verdict must still hold this long before the job is ended: after the whole job was stopped
+# and continued (SIGSTOP/SIGCONT, a debugger) every clock has jumped, and the ranks need a
+# moment to show that they are moving again.
+CONFIRM_SECONDS = 5.0
 EXIT_WATCHDOG = 3  # exit status of a job ended by the watchdog (2 is a user error)
 
 
@@ -108,11 +112,17 @@ class Watchdog:
     # -- the watchdog thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        suspect = None  # when the current verdict was first reached
         while not self._stop.wait(self.tick):
             self._count += 1
             self._write_heartbeat()
-            verdict = self.check(time.monotonic())
-            if verdict is not None:
+            now = time.monotonic()
+            verdict = self.check(now)
+            if verdict is None:
+                suspect = None
+            elif suspect is None:
+                suspect = now
+            elif now - suspect >= CONFIRM_SECONDS:
                 self._end(verdict)
                 return
 

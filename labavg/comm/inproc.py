@@ -174,7 +174,12 @@ class InProcGroup:
             since = time.monotonic()
             while generation == self._generation and self._broken is None:
                 if not self._cond.wait(timeout=self.timeout):
-                    if generation == self._generation and self._broken is None:
+                    # Confirm: after the whole process was stopped and continued, the wait
+                    # times out at once while the other ranks are about to arrive.
+                    arrived = self._arrived
+                    self._cond.wait(timeout=min(self.timeout, 5.0))
+                    if (generation == self._generation and self._broken is None
+                            and self._arrived == arrived):
                         missing = [r for r, c in enumerate(self._calls) if c is None]
                         reason = (f"watchdog: rank(s) {missing} did not reach {call.op} within "
                                   f"{time.monotonic() - since:.0f} s (watchdog_seconds = "

@@ -284,14 +284,16 @@ def decode_run(run_dir: str | os.PathLike, data: str | os.PathLike, *,
         dev_result = decode_set(task, load_set(task, Path(dev)), acwts, beam)
         acwt_from = "dev"
     test = load_set(task, data)
-    result = decode_set(task, test, acwts, beam)
     if dev_result is not None:
+        # The scale is the dev set's to choose: the test set is decoded at that scale alone.
         acwt = dev_result.best_acwt()
+        result = decode_set(task, test, [acwt], beam)
     else:
+        result = decode_set(task, test, acwts, beam)
         acwt, acwt_from = result.best_acwt(), "this set (no dev set given)"
     per = phone_error_rate(task, test, acwt, beam)
     wer = result.wers[acwt]
-    seconds_per_audio = result.decode_seconds / len(acwts) / max(test.audio_seconds, 1e-9)
+    seconds_per_audio = result.decode_seconds / len(result.wers) / max(test.audio_seconds, 1e-9)
     summary: dict[str, Any] = {
         "set": test.name, "data": str(data.resolve()), "utterances": len(test.keys),
         "words": wer.ref_tokens, "oov_words": test.oov, "acwt": acwt, "acwt_from": acwt_from,
@@ -311,17 +313,17 @@ def decode_run(run_dir: str | os.PathLike, data: str | os.PathLike, *,
 
 
 def format_result(summary: dict[str, Any]) -> str:
-    """A short table for the terminal."""
-    lines = [f"decode {summary['set']}: {summary['utterances']} utterances, {summary['words']} words"
-             f" ({summary['oov_words']} OOV mapped to <unk>)" if summary["oov_words"] else
-             f"decode {summary['set']}: {summary['utterances']} utterances, {summary['words']} words",
-             "| acwt | WER % |" + (" dev WER % |" if summary["dev"] else ""),
-             "|---|---|" + ("---|" if summary["dev"] else "")]
-    for a, rate in summary["wer_by_acwt"].items():
+    """A short table for the terminal: the scale sweep (on dev when given), then the result."""
+    head = f"decode {summary['set']}: {summary['utterances']} utterances, {summary['words']} words"
+    if summary["oov_words"]:
+        head += f" ({summary['oov_words']} OOV mapped to <unk>)"
+    dev = summary["dev"]
+    sweep = dev["wer_by_acwt"] if dev else summary["wer_by_acwt"]
+    lines = [head, f"| acwt | {'dev' if dev else summary['set']} WER % |", "|---|---|"]
+    for a, rate in sweep.items():
         mark = " *" if float(a) == summary["acwt"] else ""
-        dev = f" {summary['dev']['wer_by_acwt'][a]:.2f} |" if summary["dev"] else ""
-        lines.append(f"| {a}{mark} | {rate:.2f} |{dev}")
-    lines.append(f"WER {summary['wer']:.2f} % (95% CI {summary['wer_ci'][0]:.2f}-"
+        lines.append(f"| {a}{mark} | {rate:.2f} |")
+    lines.append(f"{summary['set']} WER {summary['wer']:.2f} % (95% CI {summary['wer_ci'][0]:.2f}-"
                  f"{summary['wer_ci'][1]:.2f}) at acwt {summary['acwt']:g} (best on "
                  f"{summary['acwt_from']})")
     if summary["per"] is not None:
