@@ -77,6 +77,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _clean_up(proc: subprocess.Popen, pids: list[int]) -> None:
+    """However a test ended: no rank it started and no launcher is left running."""
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture
 def poisoned_corpus(corpus, tmp_path) -> tuple[Path, str]:
     """A copy of the tiny corpus where one CV utterance that only rank 1 evaluates holds a NaN."""
@@ -175,11 +185,7 @@ def test_stopped_rank_is_named_by_the_watchdog(corpus, tmp_path):
         assert proc.returncode == 3, stderr
         assert f"rank 1 (pid {victim}" in stderr and "silent" in stderr, stderr
     finally:
-        if victim is not None and _alive(victim):
-            os.kill(victim, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _clean_up(proc, [victim] if victim is not None else [])
 
 
 def test_torchrun_hang_is_ended_by_the_watchdog(corpus, tmp_path):
@@ -253,12 +259,7 @@ def test_killing_the_launcher_ends_its_ranks(corpus, tmp_path, sig):
         with run_dir_lock(out):
             pass
     finally:
-        for pid in pids.values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _clean_up(proc, list(pids.values()))
 
 
 def test_second_job_on_a_run_directory_is_refused(corpus, tmp_path):
