@@ -66,7 +66,8 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
             raise UserError(
                 f"--resume: {run_dir} has finished (step {summary.get('steps')}, {SUMMARY}); "
                 f"nothing to resume: start a new run with another --out to train more")
-        if cfg is not None:
+        if cfg is not None and launcher_rank() == 0:
+            # Once per job: the other ranks learn of a refusal through the start-up agreement.
             check_resume_config(run_dir, cfg, found[1])
         return
     if (run_dir / EVENTS).exists() or (run_dir / SUMMARY).exists():
