@@ -28,6 +28,8 @@ from labavg.faults import parse_fault
 
 BACKENDS = ("inproc", "mpi", "torch")
 OPTIMIZERS = ("sgd", "ngsgd")
+# (max_change_per_sample, max_param_change) unless set: nnet2/3 for NG-SGD; nnet1 SGD has none.
+MAX_CHANGE_DEFAULTS = {"sgd": (0.0, 0.0), "ngsgd": (0.075, 2.0)}
 SCHEDULES = ("exponential", "newbob")
 PRETRAIN = ("none", "rbm")
 LR_SCALING = ("none", "linear")
@@ -328,8 +330,13 @@ class TrainConfig:
     seed: int = setting(0, "random seed", _SEED, flag="--seed")
     device: str = setting("cpu", "device", _DEVICE, flag="--device")
     threads: int = setting(1, "torch threads per process", _THREADS, flag="--threads")
-    max_change_per_sample: float = setting(0.075, "Kaldi's per-layer max-change per sample", _LIMIT)
-    max_param_change: float = setting(2.0, "Kaldi's whole-model max-change", _LIMIT)
+    # nnet1's SGD, the paper's baseline, has no max-change; NG-SGD comes from nnet2/3 with it.
+    max_change_per_sample: float | None = setting(
+        None, "Kaldi's per-layer max-change per sample (default: 0.075 for ngsgd, off for sgd; "
+        "0: off)", _LIMIT)
+    max_param_change: float | None = setting(
+        None, "Kaldi's whole-model max-change (default: 2.0 for ngsgd, off for sgd; 0: off)",
+        _LIMIT)
     checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
                                     _POSITIVE, flag="--checkpoint-every")
     log_every: int = setting(1, "minibatches between per-minibatch events", _POSITIVE)
@@ -353,6 +360,13 @@ class TrainConfig:
         if self.average_every_frames is not None:
             return max(1, round(self.average_every_frames / self.minibatch))
         return self.average_every
+
+    def max_change_limits(self) -> tuple[float, float]:
+        """(max_change_per_sample, max_param_change) in force: Kaldi nnet2's for NG-SGD,
+        none for plain SGD unless set (0 means off)."""
+        per_sample, whole = MAX_CHANGE_DEFAULTS[self.optimizer]
+        return (per_sample if self.max_change_per_sample is None else self.max_change_per_sample,
+                whole if self.max_param_change is None else self.max_param_change)
 
     def final_learning_rate(self) -> float:
         """The unscaled final learning rate (0.01 x initial unless set)."""

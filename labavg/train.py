@@ -201,9 +201,10 @@ def train_rank(
     model = _build_model(cfg, source, train_keys, device)
     flat = flatten_parameters([model])
     broadcast_parameters(flat, comm)
+    per_sample_limit, model_limit = cfg.max_change_limits()
     optimizer = make_optimizer(
-        cfg.optimizer, model, max_change_per_sample=cfg.max_change_per_sample,
-        max_param_change=cfg.max_param_change,
+        cfg.optimizer, model, max_change_per_sample=per_sample_limit,
+        max_param_change=model_limit,
         **({"config": cfg.ngsgd} if cfg.optimizer == "ngsgd" else {}),
     )
     lr0 = scale_lr(cfg.lr, size, cfg.lr_scaling)  # the paper's N x learning rate

@@ -126,3 +126,27 @@ def test_momentum_state_dict_round_trip_gives_identical_updates():
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(model.weight, fresh.weight)  # the momentum mattered
+
+
+def test_a_training_run_applies_max_change_to_ngsgd_only_unless_asked():
+    from labavg.config import TrainConfig, validate, with_overrides
+
+    assert TrainConfig(optimizer="sgd").max_change_limits() == (0.0, 0.0)  # nnet1: none
+    assert TrainConfig(optimizer="ngsgd").max_change_limits() == (0.075, 2.0)  # nnet2's
+    asked = validate(with_overrides(TrainConfig(optimizer="sgd"), {"max_change_per_sample": 0.075}))
+    assert asked.max_change_limits() == (0.075, 0.0)
+    off = validate(with_overrides(TrainConfig(), {"max_param_change": 0}))
+    assert off.max_change_limits() == (0.075, 0.0)
+
+
+def test_default_sgd_is_plain_even_where_max_change_would_bind():
+    model, x, y = _layer_and_batch(scale=1e3)
+    twin = copy.deepcopy(model)
+    F.cross_entropy(twin(x), y, reduction="sum").backward()
+    expected = [p.detach() - 1.0 * p.grad for p in twin.parameters()]
+    opt = SGD(model)
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    stats = opt.step(1.0)
+    assert stats.applied and stats.scale == 1.0
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e)

@@ -21,9 +21,10 @@ from labavg.optim.max_change import (
 class SGD:
     """SGD on the summed per-frame loss, optionally with (heavy-ball) momentum.
 
-    Every `nn.Linear` gets nnet2's per-frame max-change (limit max_change_per_sample x
-    minibatch size on the sum of per-frame update norms); the whole update then gets nnet3's
-    `max_param_change`. A non-finite update is skipped. Parameters are updated in place.
+    Plain by default, as nnet1's SGD (the paper's baseline). Asked for, every `nn.Linear`
+    gets nnet2's per-frame max-change (limit max_change_per_sample x minibatch size on the sum
+    of per-frame update norms) and the whole update nnet3's `max_param_change`; 0 turns
+    either off. A non-finite update is skipped. Parameters are updated in place.
     """
 
     def __init__(
@@ -31,8 +32,8 @@ class SGD:
         model: nn.Module,
         *,
         momentum: float = 0.0,
-        max_change_per_sample: float = 0.075,
-        max_param_change: float = 2.0,
+        max_change_per_sample: float = 0.0,
+        max_param_change: float = 0.0,
     ) -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
@@ -41,7 +42,8 @@ class SGD:
         self.max_param_change = max_param_change
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.linears = find_linears(model)
-        self.tap = LinearTap(self.linears)
+        # The tap's hooks cost a copy of every layer input; only the per-frame limit needs them.
+        self.tap = LinearTap(self.linears) if max_change_per_sample > 0.0 else None
         self._velocity: list[torch.Tensor | None] = [None] * len(self.params)
         self._group_list = self._groups()
 
@@ -59,7 +61,7 @@ class SGD:
         return groups
 
     def _layer_factor(self, layer_index: int | None, lr: float) -> torch.Tensor | float:
-        if layer_index is None or self.max_change_per_sample <= 0.0:
+        if layer_index is None or self.tap is None:
             return 1.0
         taken = self.tap.take(layer_index)
         if taken is None:
@@ -100,7 +102,8 @@ class SGD:
                 self._velocity[i] = v
         for p in self.params:
             p.grad = None
-        self.tap.clear()
+        if self.tap is not None:
+            self.tap.clear()
         return stats
 
     def state_dict(self) -> dict[str, Any]:
