@@ -86,9 +86,9 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) 
 
     step, _ = latest_step(run_dir)
     saved = load_rank_state(run_dir, step, 0).get("config")
-    stored = to_dict(config_from_dict(saved, f"checkpoint {step}") if isinstance(saved, dict)
-                     else load_config_of(run_dir))
-    wanted = to_dict(cfg)
+    stored = _in_force(config_from_dict(saved, f"checkpoint {step}") if isinstance(saved, dict)
+                       else load_config_of(run_dir))
+    wanted = _in_force(cfg)
     changed = [key for key in _leaves(wanted)
                if key.split(".")[0] not in RESUME_FREE_KEYS and _get(stored, key) != _get(wanted, key)]
     if changed:
@@ -100,6 +100,13 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) 
     if checkpoint_ranks != cfg.ranks:
         raise UserError(f"--resume: the checkpoint of {run_dir} holds {checkpoint_ranks} ranks but "
                         f"the run has ranks = {cfg.ranks}")
+
+
+def _in_force(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings as the trainer applies them: an unset max-change is its optimizer's default."""
+    values = to_dict(cfg)
+    values["max_change_per_sample"], values["max_param_change"] = cfg.max_change_limits()
+    return values
 
 
 def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:

@@ -15,8 +15,11 @@ and a `[grid]` table mapping dotted setting names to lists of values:
 `[grid]` may also be an array of tables (`[[grid]]`), one small grid per comparison; their
 points are pooled and a configuration reached by two grids is trained once.
 
-`run_sweep` trains every combination into SWEEP_DIR/runs/NAME (skipping finished runs and
-resuming interrupted ones) and writes SWEEP_DIR/results.csv and results.md.
+`[[corpus]]` tables name built-in corpora the grids use (`out`, and `labavg corpus synth`'s
+`hours`, `dev_hours`, `test_hours`, `seed`); the sweep synthesises those that are missing.
+
+`run_sweep` trains every combination, seed by seed, into SWEEP_DIR/runs/NAME (skipping
+finished runs and resuming interrupted ones) and writes SWEEP_DIR/results.csv and results.md.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class Sweep:
 
     base: TrainConfig
     grids: list[dict[str, list[Any]]]
+    # Built-in corpora the grids train on, made when missing: {"out": ..., "hours": ..., ...}.
+    corpora: tuple[dict[str, Any], ...] = ()
 
     def points(self) -> list[tuple[str, dict[str, Any]]]:
         """(name, overrides) for every combination of every grid, each configuration once."""
@@ -58,14 +63,17 @@ class Sweep:
                 overrides = dict(zip(keys, values))
                 name = "-".join(f"{k.split('.')[-1]}_{_label(v)}" for k, v in overrides.items()) or "base"
                 try:
-                    identity = repr(sorted(to_dict(with_overrides(self.base, overrides)).items()))
+                    cfg = with_overrides(self.base, overrides)
                 except UserError as exc:
                     raise UserError(f"grid point {name}: {exc}") from None
+                identity = repr(sorted(to_dict(cfg).items()))
                 if identity in seen:
                     continue
                 seen.add(identity)
-                out.append((name, overrides))
-        return out
+                out.append((cfg.seed, name, overrides))
+        # Seed by seed: a sweep cut short has every setting once before it has any twice.
+        out.sort(key=lambda point: point[0])
+        return [(name, overrides) for _, name, overrides in out]
 
 
 def _label(value: Any) -> str:
@@ -85,17 +93,20 @@ def load_sweep(path: str | Path) -> Sweep:
                         f"{exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: not valid TOML: {exc}") from None
-    unknown = set(values) - {"base", "grid"}
+    unknown = set(values) - {"base", "grid", "corpus"}
     if unknown:
-        raise UserError(f"{path}: unknown tables {sorted(unknown)}; a sweep has [base] and [grid]")
+        raise UserError(f"{path}: unknown tables {sorted(unknown)}; a sweep has [base], [grid] "
+                        "and [[corpus]]")
     base = config_from_dict(values.get("base", {}), f"{path} [base]")
+    corpora = tuple(_corpus_spec(c, f"{path} [[corpus]] {i + 1}")
+                    for i, c in enumerate(_tables(values.get("corpus", []))))
     grids = values.get("grid", {})
     grids = grids if isinstance(grids, list) else [grids]
     for grid in grids:
         for key, options in grid.items():
             if not isinstance(options, list) or not options:
                 raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
-    sweep = Sweep(base, grids)
+    sweep = Sweep(base, grids, corpora)
     try:
         points = sweep.points()
     except UserError as exc:
@@ -106,6 +117,47 @@ def load_sweep(path: str | Path) -> Sweep:
         except UserError as exc:
             raise UserError(f"{path}: grid point {name}: {exc}") from None
     return sweep
+
+
+CORPUS_KEYS = {"out": str, "hours": float, "dev_hours": float, "test_hours": float, "seed": int}
+
+
+def _tables(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _corpus_spec(spec: Any, where: str) -> dict[str, Any]:
+    """One [[corpus]] table: where to write the built-in corpus and `labavg corpus synth`'s sizes."""
+    if not isinstance(spec, dict):
+        raise UserError(f"{where}: expected a table with {sorted(CORPUS_KEYS)}")
+    unknown = set(spec) - set(CORPUS_KEYS)
+    if unknown:
+        raise UserError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(CORPUS_KEYS)}")
+    if not isinstance(spec.get("out"), str) or not spec["out"]:
+        raise UserError(f"{where}: out must be the corpus directory to write")
+    for key, kind in CORPUS_KEYS.items():
+        value = spec.get(key)
+        if key == "out" or value is None:
+            continue
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or (kind is int and not isinstance(value, int)) or value < 0 \
+                or (key == "hours" and value == 0):
+            raise UserError(f"{where}: {key} = {value!r} is not a valid {key}")
+    return dict(spec)
+
+
+def make_corpora(sweep: Sweep, cwd: str | Path | None = None) -> None:
+    """Synthesise each [[corpus]] of the sweep that is not there yet (idempotent)."""
+    from labavg.data.synth import synthesize
+
+    for spec in sweep.corpora:
+        out = Path(cwd or ".") / spec["out"]
+        if (out / "corpus.json").is_file():
+            continue
+        print(f"labavg sweep: synthesising {spec['out']} ({spec.get('hours', 1.0)} h)", flush=True)
+        synthesize(out, hours=float(spec.get("hours", 1.0)), seed=int(spec.get("seed", 0)),
+                   dev_hours=float(spec.get("dev_hours", 0.1)),
+                   test_hours=float(spec.get("test_hours", 0.5)))
 
 
 def run_sweep(
@@ -128,6 +180,7 @@ def run_sweep(
     if cwd is not None:
         out = out.resolve()
 
+    make_corpora(sweep, cwd)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, overrides in sweep.points():

@@ -81,3 +81,44 @@ def test_several_grids_share_runs(corpus, tmp_path):
     names = [n for n, _ in load_sweep(spec).points()]
     # ranks 2 + sgd (the base optimizer) is reached by both grids and trained once
     assert names == ["ranks_1", "ranks_2", "ranks_2-optimizer_ngsgd"]
+
+
+def test_points_run_seed_by_seed(corpus, tmp_path):
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, "")
+    text = spec.read_text().replace("[grid]\n", "")
+    text += ('[[grid]]\nseed = [0, 1]\nranks = [1, 2]\n'
+             '[[grid]]\nseed = [0, 1]\nranks = [2]\noptimizer = ["ngsgd", "sgd"]\n')
+    spec.write_text(text)
+    names = [n for n, _ in load_sweep(spec).points()]
+    # every setting once (seed 0, in the file's order) before any a second time
+    assert names == ["seed_0-ranks_1", "seed_0-ranks_2", "seed_0-ranks_2-optimizer_sgd",
+                     "seed_1-ranks_1", "seed_1-ranks_2", "seed_1-ranks_2-optimizer_sgd"]
+
+
+def test_a_sweep_makes_its_missing_corpora_once(corpus, tmp_path):
+    spec = tmp_path / "s.toml"
+    made = tmp_path / "tiny"
+    write_sweep(spec, made, "ranks = [1]")
+    spec.write_text(f'[[corpus]]\nout = "{made}"\nhours = 0.02\ndev_hours = 0\ntest_hours = 0\n'
+                    + spec.read_text())
+    sweep = load_sweep(spec)
+    rows = run_sweep(sweep, tmp_path / "out")
+    assert (made / "corpus.json").is_file() and 0 < rows[0]["cv_frame_accuracy"] < 1
+    stamp = (made / "feats.ark").stat().st_mtime_ns
+    run_sweep(sweep, tmp_path / "out", train_point=lambda cfg, resume: None)
+    assert (made / "feats.ark").stat().st_mtime_ns == stamp  # there already: not made again
+
+
+@pytest.mark.parametrize("table, message", [
+    ('[[corpus]]\nhours = 1\n', "out must be the corpus directory"),
+    ('[[corpus]]\nout = "x"\nhours = 0\n', "hours = 0 is not a valid hours"),
+    ('[[corpus]]\nout = "x"\nsize = 1\n', "unknown keys ['size']"),
+])
+def test_a_bad_corpus_table_is_refused_naming_it(corpus, tmp_path, table, message):
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, "ranks = [1]")
+    spec.write_text(table + spec.read_text())
+    with pytest.raises(UserError) as err:
+        load_sweep(spec)
+    assert "[[corpus]] 1" in str(err.value) and message in str(err.value)
