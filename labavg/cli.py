@@ -100,16 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
     dash.set_defaults(func=cmd_dashboard)
 
     rep = sub.add_parser(
-        "reproduce", help="run the paper's comparisons and write REPRODUCTION.md",
-        description="Train the comparisons of Su & Chen (2015) on the built-in corpus (and the "
-        "yesno recipe if given), measure 1 vs 2 MPI ranks, and write the report. Resumable.",
+        "reproduce", help="the regime map and the paper's comparisons, into REPRODUCTION.md",
+        description="Run the sweeps of experiments/ (paper.toml: the paper's comparisons, decoded; "
+        "regime.toml: the regime map; yesno.toml with --yesno), measure 1 vs 2 MPI ranks, and write "
+        "the report and its figure. Resumable: finished runs are reused.",
     )
-    rep.add_argument("--out", default="runs/reproduce", help="experiment directory")
-    rep.add_argument("--hours", type=float, default=1.0, help="corpus size (default 1.0)")
-    rep.add_argument("--epochs", type=int, default=4, help="epochs per run (default 4)")
-    rep.add_argument("--seeds", type=int, default=1, help="seeds per setting (default 1)")
+    rep.add_argument("--out", default="runs", help="experiment directory (default runs: "
+                     "runs/paper, runs/regime, runs/yesno, runs/mpi)")
+    rep.add_argument("--experiments", default="experiments",
+                     help="directory of paper.toml, regime.toml, yesno.toml (default experiments)")
     rep.add_argument("--yesno", help="path of a Kaldi yesno recipe directory (kaldi-yesno)")
     rep.add_argument("--report", default="REPRODUCTION.md", help="report to write")
+    rep.add_argument("--figure", help="regime map PNG (default docs/figures/regime-map.png beside "
+                     "the report)")
+    rep.add_argument("--parallel", type=int, default=2, help="sweeps run at once (default 2)")
+    rep.add_argument("--no-mpi", action="store_true", help="skip the 1 vs 2 MPI ranks measurement")
+    rep.add_argument("--tiny", action="store_true",
+                     help="the same pipeline at a tiny size (a few minutes): the sweep files' grids "
+                     "with two seeds, a tiny model and corpora, all under --out (report included)")
     rep.set_defaults(func=cmd_reproduce)
 
     decode = sub.add_parser(
@@ -238,10 +246,24 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from labavg.reproduction import reproduce
 
-    command = "labavg reproduce " + " ".join(sys.argv[2:])
-    path = reproduce(Path(args.out), hours=args.hours, epochs=args.epochs, seeds=args.seeds,
-                     yesno=Path(args.yesno) if args.yesno else None, report=Path(args.report),
-                     command=command.strip())
+    if args.parallel < 1:
+        raise UserError(f"--parallel must be >= 1, got {args.parallel}")
+    command = ("labavg reproduce " + " ".join(sys.argv[2:])).strip()
+    out, experiments, report = Path(args.out), Path(args.experiments), Path(args.report)
+    figure = Path(args.figure) if args.figure else None
+    if args.tiny:
+        from labavg.reproduction import tiny_experiments
+
+        for name in ("paper.toml", "regime.toml"):
+            if not (experiments / name).is_file():
+                raise UserError(f"{experiments / name}: no such sweep file (--experiments DIR)")
+        experiments = tiny_experiments(experiments, out / "experiments")
+        if args.report == "REPRODUCTION.md":  # never overwrite the real report with a tiny one
+            report = out / "REPRODUCTION.md"
+        figure = figure or out / "regime-map.png"
+    path = reproduce(out, experiments=experiments, yesno=Path(args.yesno) if args.yesno else None,
+                     report=report, figure=figure, parallel=args.parallel, mpi=not args.no_mpi,
+                     command=command)
     print(f"wrote {path}")
     return 0
 

@@ -1,299 +1,762 @@
-"""Reproducing Su & Chen (2015): the paper's comparisons beside labavg's, in REPRODUCTION.md.
+"""Reproducing Su & Chen (2015): the regime map and the paper's comparisons, in REPRODUCTION.md.
 
-`labavg reproduce --out DIR` synthesises the built-in corpus if needed, trains the paper's
-comparisons as one sweep (experiments/paper.toml), optionally the real yesno recipe
-(experiments/yesno.toml), measures 1 vs 2 MPI ranks on this machine, and writes
-REPRODUCTION.md. Every step is resumable: finished runs are kept.
+`labavg reproduce` runs the sweep files of `experiments/` (paper.toml: the paper's comparisons,
+decoded; regime.toml: the regime map; yesno.toml: the real Kaldi recipe, when given), measures
+1 vs 2 MPI ranks on this machine, and writes the report and its figure. Every step is
+resumable: finished runs are kept, so running it again only adds what is missing.
 
-The paper reports word error rates on Switchboard (lower is better); labavg reports CV frame
-accuracy (higher is better), so a comparison "agrees" when the ordering is the same.
+Verdicts come from seeds, not from the sign of one difference: for each comparison the
+per-seed paired difference (same seed, same data) gets a 95 % t-interval of its mean; the
+comparison agrees (or disagrees) with the paper only when that interval excludes zero, and
+is "within noise" otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from labavg import costmodel
 from labavg.checkpoint import atomic_write_text
-from labavg.index import list_runs, summary_row
-from labavg.runs import read_summary
+from labavg.errors import UserError
+from labavg.index import list_runs
 
-if TYPE_CHECKING:
-    from labavg.sweep import Sweep
-
-# Draft tables of Su & Chen (2015): WER % on the SWB test set; 1-GPU baseline 14.7.
+# Su & Chen (2015), WER % on the Switchboard test set; 1-GPU baseline 14.7.
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}
-PAPER_K = {10: (15.1, 9.32), 20: (15.8, 10.07)}  # 16 workers: WER, speedup
-PAPER_OPTIMIZER = {("sgd", 1): 14.9, ("ngsgd", 1): 14.7, ("sgd", 16): 16.3, ("ngsgd", 16): 15.1}
-PAPER_PRETRAIN = {"rbm": 15.2, "none": 16.4}  # 32 workers
-PAPER_SCHEDULE = {"exponential": 15.1, "newbob": 15.4}  # 16 workers
+PAPER_SPEEDUP_K = {10: 9.32, 20: 10.07}  # 16 GPUs
+# The paper's minibatch (1024 frames) and corpus (300 h at 100 frames/s) give its updates per
+# worker per epoch, for placing its runs on the regime map.
+PAPER_FRAMES_PER_EPOCH = 300 * 3600 * 100
+PAPER_MINIBATCH = 1024
+RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
 DISCUSSION_MARKER = "<!-- discussion below: kept when the report is regenerated -->"
+# The settings the comparisons vary; the rest is the sweep's base.
+VARIED = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch")
+# Two-sided 95 % quantiles of Student's t by degrees of freedom (seeds - 1).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}
 
 
 @dataclass(frozen=True)
-class Row:
-    """One finished run, reduced to what the comparisons need."""
+class Pair:
+    """A comparison of the paper: `better` beat `worse` there (WER `paper`), at `fixed`."""
 
-    ranks: int
-    average_every: int
-    optimizer: str
-    pretrain: str
-    schedule: str
-    seed: int
-    cv_frame_accuracy: float
+    title: str
+    vary: str
+    better: Any
+    worse: Any
+    fixed: dict[str, Any]
+    paper: tuple[float, float] | None
+    finding: str
+
+
+PAIRS = (
+    Pair("Averaging every 10 vs 20 minibatches (16 workers)", "average_every", 10, 20,
+         {"ranks": 16}, (15.1, 15.8), "averaging every 10 minibatches is better"),
+    Pair("NG-SGD vs plain SGD (1 worker)", "optimizer", "ngsgd", "sgd", {"ranks": 1},
+         (14.7, 14.9), "NG-SGD is better"),
+    Pair("NG-SGD vs plain SGD (16 workers)", "optimizer", "ngsgd", "sgd", {"ranks": 16},
+         (15.1, 16.3), "NG-SGD is better, by more than at 1 worker"),
+    Pair("RBM pretraining vs random initialisation (32 workers)", "pretrain", "rbm", "none",
+         {"ranks": 32}, (15.2, 16.4), "RBM pretraining is better"),
+    Pair("Exponential vs Newbob schedule (16 workers)", "schedule", "exponential", "newbob",
+         {"ranks": 16}, (15.1, 15.4), "the exponential schedule is better"),
+    Pair("Minibatch of 128 vs 256 frames (16 workers, K = 10 minibatches)", "minibatch", 128, 256,
+         {"ranks": 16}, None, "no figure in the paper"),
+)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished run: its settings (flattened, dotted keys) and summary.json."""
+
+    name: str
+    settings: dict[str, Any]
     summary: dict[str, Any]
 
+    def get(self, key: str) -> Any:
+        return self.settings.get(key)
 
-_ROW_FIELDS = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "seed",
-               "cv_frame_accuracy")
+    @property
+    def seed(self) -> int:
+        return int(self.settings["seed"])
 
-
-def load_rows(sweep_dir: Path) -> list[Row]:
-    """Every finished run of a sweep directory."""
-    rows = []
-    for record in list_runs(sweep_dir / "runs"):
-        if record.summary is None:
-            continue
-        row = summary_row(record.name, record.summary)
-        rows.append(Row(**{f: row[f] for f in _ROW_FIELDS}, summary=record.summary))
-    return rows
+    def metric(self, name: str) -> float | None:
+        value = self.summary.get(name)
+        if value is None or not math.isfinite(value):
+            return None
+        return 100.0 * value if name == "cv_frame_accuracy" else float(value)
 
 
-def _accuracy(rows: list[Row], **want: Any) -> tuple[float, float, float, int] | None:
-    """Mean, min and max CV frame accuracy (%) over seeds of the runs matching `want`."""
-    accs = [100 * r.cv_frame_accuracy for r in rows
-            if all(getattr(r, k) == v for k, v in want.items())]
-    if not accs:
-        return None
-    return statistics.mean(accs), min(accs), max(accs), len(accs)
-
-
-def _cell(stats: tuple[float, float, float, int] | None) -> str:
-    if stats is None:
-        return "not run"
-    mean, lo, hi, n = stats
-    return f"{mean:.2f}" if n == 1 else f"{mean:.2f} ({lo:.2f}-{hi:.2f}, {n} seeds)"
-
-
-def _agrees(paper_better_first: bool, ours: list[tuple[float, float, float, int] | None]) -> str:
-    if any(o is None for o in ours):
-        return "-"
-    ours_better_first = ours[0][0] > ours[1][0]
-    return "yes" if ours_better_first == paper_better_first else "no"
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _pair_table(rows: list[Row], title: str, column: str, field: str,
-                paper: dict[str, float], finding: str, fixed: dict[str, Any]) -> list[str]:
-    """Two settings of `field` (the paper's better one first) at otherwise `fixed` settings."""
-    out = ["", f"### {title}", "", f"| {column} | paper WER % | labavg CV frame acc % |",
-           "|---|---|---|"]
-    pair = []
-    for value, wer in paper.items():
-        acc = _accuracy(rows, **{**fixed, field: value})
-        pair.append(acc)
-        out.append(f"| {value} | {wer} | {_cell(acc)} |")
-    out.append(f"\nSame direction as the paper ({finding}): {_agrees(True, pair)}")
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
     return out
 
 
-def comparison_tables(rows: list[Row], base: dict[str, Any]) -> str:
-    """The paper's five comparisons with labavg's CV frame accuracy beside them."""
-    opt, pre, sch, k = base["optimizer"], base["pretrain"], base["schedule"], base["average_every"]
-    same = {"optimizer": opt, "pretrain": pre, "schedule": sch}
-    out = ["### Number of workers (K = 10)", "",
-           "| workers | paper WER % | labavg CV frame acc % |", "|---|---|---|"]
-    for n, wer in PAPER_WORKERS.items():
-        out.append(f"| {n} | {wer} | {_cell(_accuracy(rows, ranks=n, average_every=k, **same))} |")
-
-    out += ["", "### Averaging frequency (16 workers)", "",
-            "| average every | paper WER % | paper speedup | labavg CV frame acc % |",
-            "|---|---|---|---|"]
-    ks = {kk: _accuracy(rows, ranks=16, average_every=kk, **same) for kk in PAPER_K}
-    for kk, (wer, sp) in PAPER_K.items():
-        out.append(f"| {kk} minibatches | {wer} | {sp} | {_cell(ks[kk])} |")
-    out.append(f"\nSame direction as the paper (K=10 better than K=20): {_agrees(True, list(ks.values()))}")
-
-    out += ["", "### NG-SGD vs plain SGD", "",
-            "| workers | optimizer | paper WER % | labavg CV frame acc % |", "|---|---|---|---|"]
-    for n in (1, 16):
-        pair = []
-        for o in ("ngsgd", "sgd"):
-            acc = _accuracy(rows, ranks=n, average_every=k, optimizer=o, pretrain=pre, schedule=sch)
-            pair.append(acc)
-            out.append(f"| {n} | {o} | {PAPER_OPTIMIZER[(o, n)]} | {_cell(acc)} |")
-        out.append(f"| {n} | NG-SGD better, as in the paper? | | {_agrees(True, pair)} |")
-
-    out += _pair_table(rows, "RBM pretraining vs random initialisation (32 workers)",
-                       "initialisation", "pretrain", PAPER_PRETRAIN, "RBM better",
-                       {**same, "ranks": 32, "average_every": k})
-    out += _pair_table(rows, "Exponential vs Newbob schedule (16 workers)", "schedule",
-                       "schedule", PAPER_SCHEDULE, "exponential better",
-                       {**same, "ranks": 16, "average_every": k})
-    return "\n".join(out)
+def load_runs(sweep_dir: Path) -> list[Run]:
+    """Every finished run of a sweep directory (unfinished ones are left out)."""
+    runs = []
+    if not (sweep_dir / "runs").is_dir():
+        return runs
+    for record in list_runs(sweep_dir / "runs"):
+        if record.summary is None or record.summary.get("stopped"):
+            continue
+        settings = _flatten(record.summary.get("config") or {})
+        settings["corpus_hours"] = corpus_hours(settings.get("data.data") or "")
+        runs.append(Run(record.name, settings, record.summary))
+    return runs
 
 
-def speedup_section(mpi_dir: Path | None) -> str:
-    """Measured speedup on this machine and the cost model's fit and predictions."""
-    fit = costmodel.fit_paper_table()
-    out = ["### The paper's timing table and the fitted cost model", "",
-           "| GPUs | paper train min/epoch | paper comm | model train | model comm | paper speedup | model speedup |",
+SWEEPS = ("paper", "regime", "yesno", "mpi")
+# What a results file keeps of each run's settings: enough to select and to describe it.
+_KEPT = VARIED + ("seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",
+                  "model.hidden_layers", "model.hidden_dim", "model.nonlinearity", "decode_data")
+
+
+def collect(out: Path) -> dict[str, list[Run]]:
+    """The finished runs of each sweep of a reproduction directory."""
+    return {name: load_runs(out / name) for name in SWEEPS}
+
+
+def write_results_file(runs: dict[str, list[Run]], path: Path) -> Path:
+    """One JSON line per finished run (settings and summary, no paths to files), so that the
+    notebooks and the report can be remade where the runs themselves are not."""
+    lines = []
+    for sweep, group in runs.items():
+        for r in sorted(group, key=lambda r: r.name):
+            summary = {k: v for k, v in r.summary.items() if k != "config"}
+            settings = {k: r.settings.get(k) for k in _KEPT}
+            lines.append(json.dumps({"sweep": sweep, "name": r.name, "settings": settings,
+                                     "summary": summary}, sort_keys=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def read_results_file(path: Path) -> dict[str, list[Run]]:
+    """The runs of a results file written by `write_results_file`, by sweep."""
+    out: dict[str, list[Run]] = {name: [] for name in SWEEPS}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read results file {path}: {exc.strerror}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            out.setdefault(item["sweep"], []).append(
+                Run(item["name"], item["settings"], item["summary"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path}, line {number}: not a results line ({exc})") from None
+    return out
+
+
+def select(runs: list[Run], **want: Any) -> dict[int, Run]:
+    """The runs whose settings equal `want` (dotted keys with "__" for "."), by seed."""
+    want = {k.replace("__", "."): v for k, v in want.items()}
+    return {r.seed: r for r in runs if all(r.get(k) == v for k, v in want.items())}
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Mean over seeds, their standard deviation and the 95 % t-interval of the mean."""
+
+    mean: float
+    sd: float
+    n: int
+    low: float
+    high: float
+
+
+def spread(values: list[float]) -> Spread | None:
+    """None without values; with one value the interval is unknown (infinite)."""
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return Spread(mean, math.nan, 1, -math.inf, math.inf)
+    sd = statistics.stdev(values)
+    half = T975.get(len(values) - 1, 1.96) * sd / math.sqrt(len(values))
+    return Spread(mean, sd, len(values), mean - half, mean + half)
+
+
+def paired(a: dict[int, Run], b: dict[int, Run], metric: str, relative: bool = False) -> list[float]:
+    """b - a per seed both have (in %, of a, when `relative`)."""
+    out = []
+    for seed in sorted(set(a) & set(b)):
+        va, vb = a[seed].metric(metric), b[seed].metric(metric)
+        if va is None or vb is None:
+            continue
+        out.append(100.0 * (vb - va) / va if relative else vb - va)
+    return out
+
+
+def verdict(diff: Spread | None, paper_sign: int) -> str:
+    """From the paired differences `worse - better` (positive: the paper's ordering)."""
+    if diff is None:
+        return "not run"
+    if diff.n < 2:
+        return "needs 2+ seeds"
+    if diff.low > 0:
+        return "agrees" if paper_sign > 0 else "disagrees"
+    if diff.high < 0:
+        return "disagrees" if paper_sign > 0 else "agrees"
+    return "within noise"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _mean_sd(s: Spread | None, digits: int = 2) -> str:
+    if s is None:
+        return "-"
+    return _num(s.mean, digits) if s.n == 1 else f"{s.mean:.{digits}f} ± {s.sd:.{digits}f}"
+
+
+def _interval(s: Spread | None, digits: int = 2, sign: bool = True) -> str:
+    if s is None:
+        return "-"
+    fmt = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+    if s.n < 2:
+        return fmt.format(s.mean) + " (1 seed)"
+    return f"{fmt.format(s.mean)} [{fmt.format(s.low)}, {fmt.format(s.high)}]"
+
+
+def _ci_of_runs(runs: dict[int, Run]) -> str:
+    """The test-set 95 % interval of WER (bootstrap over utterances), averaged over seeds."""
+    cis = [r.summary["wer_ci"] for r in runs.values() if r.summary.get("wer_ci")]
+    if not cis:
+        return "-"
+    return f"{statistics.fmean(c[0] for c in cis):.2f}-{statistics.fmean(c[1] for c in cis):.2f}"
+
+
+def _seeds(runs: dict[int, Run]) -> str:
+    return str(len(runs)) if runs else "0"
+
+
+def _stat(runs: dict[int, Run], metric: str) -> Spread | None:
+    return spread([v for v in (r.metric(metric) for r in runs.values()) if v is not None])
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
+    """The sweep's base values of the varied settings (from its file, else the commonest)."""
+    if sweep_file is not None and sweep_file.is_file():
+        from labavg.config import to_dict
+        from labavg.sweep import load_sweep
+
+        base = _flatten(to_dict(load_sweep(sweep_file).base))
+        return {k: base[k] for k in VARIED}
+    out = {}
+    for key in VARIED:
+        values = [r.get(key) for r in runs]
+        out[key] = max(set(values), key=values.count) if values else None
+    return out
+
+
+def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
+    """1 / 8 / 16 / 32 workers: WER, PER, frame accuracy, and the loss against 1 worker."""
+    same = {k: v for k, v in base.items() if k != "ranks"}
+    one = select(runs, ranks=1, **same)
+    paper_rel = {n: 100 * (w - PAPER_WORKERS[1]) / PAPER_WORKERS[1] for n, w in PAPER_WORKERS.items()}
+    out = ["| workers | seeds | updates per worker | WER % (mean ± sd) | test-set 95 % CI | PER % | "
+           "CV frame acc % | WER change vs 1 worker, % relative [95 % CI] | paper WER % (change) | "
+           "verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, paper in PAPER_WORKERS.items():
+        here = select(runs, ranks=n, **same)
+        updates = _stat(here, "steps")
+        rel = spread(paired(one, here, "wer", relative=True)) if n > 1 else None
+        if n == 1:
+            word = "-"
+        elif rel is None:
+            word = "not run"
+        elif rel.n < 2:
+            word = "needs 2+ seeds"
+        elif rel.low > paper_rel[n]:
+            word = "disagrees: loses more"
+        elif rel.high < paper_rel[n]:
+            word = "agrees: loses less"
+        else:
+            word = "agrees"
+        paper_cell = f"{paper}" + ("" if n == 1 else f" ({paper_rel[n]:+.1f} %)")
+        out.append(
+            f"| {n} | {_seeds(here)} | {'-' if updates is None else f'{updates.mean:,.0f}'} | "
+            f"{_mean_sd(_stat(here, 'wer'))} | {_ci_of_runs(here)} | {_mean_sd(_stat(here, 'per'))} | "
+            f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | "
+            f"{'-' if n == 1 else _interval(rel, 1)} | {paper_cell} | {word} |")
+    out += ["", "A row agrees when the paper's relative WER change lies inside the interval or "
+            "above it (averaging costs no more than in the paper); it disagrees when the whole "
+            "interval lies above the paper's change."]
+    return out
+
+
+def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
+    """One of the paper's two-way comparisons, with the paired WER difference and a verdict."""
+    fixed = {**{k: v for k, v in base.items() if k != pair.vary}, **pair.fixed}
+    sides = [(value, select(runs, **fixed, **{pair.vary: value})) for value in (pair.better, pair.worse)]
+    out = [f"| {pair.vary} | seeds | WER % (mean ± sd) | test-set 95 % CI | PER % | CV frame acc % | "
+           "paper WER % |", "|---|---|---|---|---|---|---|"]
+    for i, (value, here) in enumerate(sides):
+        paper = "-" if pair.paper is None else str(pair.paper[i])
+        out.append(f"| {value} | {_seeds(here)} | {_mean_sd(_stat(here, 'wer'))} | {_ci_of_runs(here)} | "
+                   f"{_mean_sd(_stat(here, 'per'))} | {_mean_sd(_stat(here, 'cv_frame_accuracy'))} | "
+                   f"{paper} |")
+    wer_diff = spread(paired(sides[0][1], sides[1][1], "wer"))
+    acc_diff = spread(paired(sides[1][1], sides[0][1], "cv_frame_accuracy"))
+    paper_sign = 0 if pair.paper is None else (1 if pair.paper[1] > pair.paper[0] else -1)
+    if pair.paper is None:
+        word = verdict(wer_diff, 1)
+        word = {"agrees": f"{pair.better} better", "disagrees": f"{pair.worse} better"}.get(word, word)
+    else:
+        word = verdict(wer_diff, paper_sign)
+    paper_diff = "" if pair.paper is None else f" (paper: {pair.paper[1] - pair.paper[0]:+.1f})"
+    out += ["", f"WER of {pair.vary} = {pair.worse} minus {pair.vary} = {pair.better}, same seed: "
+            f"{_interval(wer_diff)} points{paper_diff}; frame accuracy {pair.better} minus "
+            f"{pair.worse}: {_interval(acc_diff)} points. Paper: {pair.finding}. "
+            f"**Verdict: {word}.**"]
+    return out
+
+
+def comparison_sections(runs: list[Run], base: dict[str, Any]) -> list[str]:
+    out = ["### Number of workers", ""] + workers_table(runs, base)
+    for pair in PAIRS:
+        out += ["", f"### {pair.title}", ""] + pair_table(runs, base, pair)
+    return out
+
+
+def verdict_summary(runs: list[Run], base: dict[str, Any]) -> list[tuple[str, str]]:
+    """(comparison, verdict) for every pair, as the report's summary table shows them."""
+    out = []
+    for pair in PAIRS:
+        fixed = {**{k: v for k, v in base.items() if k != pair.vary}, **pair.fixed}
+        a = select(runs, **fixed, **{pair.vary: pair.better})
+        b = select(runs, **fixed, **{pair.vary: pair.worse})
+        sign = 1 if pair.paper is None or pair.paper[1] > pair.paper[0] else -1
+        out.append((pair.title, verdict(spread(paired(a, b, "wer")), sign)))
+    return out
+
+
+# --------------------------------------------------------------------------- the regime map
+
+
+@dataclass(frozen=True)
+class MapPoint:
+    """N workers on one corpus: updates per worker, rounds and the accuracy lost against N = 1."""
+
+    hours: float
+    ranks: int
+    seeds: int
+    updates: float
+    rounds: float
+    accuracy: Spread
+    loss: Spread | None
+
+
+def corpus_hours(path: str) -> float | None:
+    """Hours of training speech of a built-in corpus (its corpus.json), None for other data."""
+    try:
+        return float(json.loads((Path(path) / "corpus.json").read_text())["hours"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def regime_points(runs: list[Run]) -> list[MapPoint]:
+    """The map's points: for each corpus and N, the paired loss of CV frame accuracy vs N = 1."""
+    points = []
+    hours_of = {r.get("data.data"): r.get("corpus_hours") for r in runs}
+    for data in sorted(hours_of, key=lambda d: hours_of[d] or 0.0):
+        here = [r for r in runs if r.get("data.data") == data]
+        hours = hours_of[data] or math.nan
+        one = select(here, ranks=1)
+        for n in sorted({r.get("ranks") for r in here}):
+            these = select(here, ranks=n)
+            acc = _stat(these, "cv_frame_accuracy")
+            points.append(MapPoint(
+                hours, n, len(these), _stat(these, "steps").mean,
+                _stat(these, "averaging_rounds").mean, acc,
+                spread(paired(one, these, "cv_frame_accuracy")) if n > 1 else Spread(0, 0, len(one), 0, 0)))
+    return points
+
+
+def regime_table(points: list[MapPoint]) -> list[str]:
+    out = ["| corpus h | workers N | seeds | updates per worker | averaging rounds | CV frame acc % "
+           "(mean ± sd) | loss vs N = 1, points [95 % CI] |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        loss = "0 (the reference)" if p.ranks == 1 else _interval(p.loss)
+        out.append(f"| {round(p.hours, 2):g} | {p.ranks} | {p.seeds} | {p.updates:,.0f} | {p.rounds:,.0f} | "
+                   f"{_mean_sd(p.accuracy)} | {loss} |")
+    return out
+
+
+def paper_updates_per_worker(ranks: int) -> float:
+    """The paper's minibatches per worker in one epoch of 300 h at 1024 frames."""
+    return PAPER_FRAMES_PER_EPOCH / (ranks * PAPER_MINIBATCH)
+
+
+def _hours_label(hours: float) -> str:
+    return f"{round(hours, 2):g} h"
+
+
+def regime_figure(points: list[MapPoint], comparison: list[MapPoint], path: Path) -> Path:
+    """Two panels: loss against N, and against updates per worker, one line per corpus size.
+
+    Dashed lines in the right panel: the paper's updates per worker in one epoch at 32 (left)
+    and 16 GPUs (right).
+    """
+    import holoviews as hv
+
+    hv.extension("matplotlib", logo=False)
+    by_n, by_updates = [], []
+    for hours in sorted({p.hours for p in points}):
+        pts = [p for p in points if p.hours == hours and p.loss is not None]
+        label = f"{_hours_label(hours)} corpus"
+        data = [(p.ranks, p.loss.mean) for p in pts]
+        by_n.append(hv.Curve(data, "workers N", "loss", label=label)
+                    * hv.Scatter(data, "workers N", "loss", label=label))
+        ud = [(p.updates, p.loss.mean) for p in pts if p.ranks > 1]
+        by_updates.append(hv.Curve(ud, "updates", "loss", label=label)
+                          * hv.Scatter(ud, "updates", "loss", label=label))
+    cd = [(p.updates, p.loss.mean) for p in comparison if p.ranks > 1 and p.loss is not None]
+    if cd:
+        by_updates.append(hv.Scatter(cd, "updates", "loss", label="comparisons")
+                          .opts(marker="*", s=180, color="black"))
+    paper = [hv.VLine(paper_updates_per_worker(n)).opts(color="grey", linestyle="--")
+             for n in (32, 16)]
+    zero = hv.HLine(0).opts(color="black", linewidth=0.8)
+    ylabel = "CV frame accuracy lost vs 1 worker (points)"
+    left = hv.Overlay(by_n + [zero]).opts(
+        logx=True, xticks=[(n, str(n)) for n in (1, 2, 4, 8, 16, 32)],
+        xlabel="workers N (log scale)", ylabel=ylabel, title="Accuracy lost against workers",
+        legend_position="bottom_left", show_grid=True, aspect=1.2)
+    right = hv.Overlay(by_updates + paper + [zero]).opts(
+        logx=True, xlabel="updates per worker, whole run (log scale)", ylabel=ylabel,
+        title="... against updates per worker", show_legend=False, show_grid=True, aspect=1.2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    layout = (left + right).opts(sublabel_format="", fig_inches=(11, 4.6))
+    hv.save(layout, tmp, fmt="png", backend="matplotlib", dpi=100)
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------- yesno and speedup
+
+
+def yesno_section(runs: list[Run]) -> list[str]:
+    out = ["| workers | optimizer | seeds | WER % (mean ± sd) | test-set 95 % CI | PER % | CV frame acc % |",
            "|---|---|---|---|---|---|---|"]
-    for row in fit.rows:
-        p = row.ranks
-        paper_speedup = costmodel.PAPER_TABLE[0].train_min / row.train_min
-        model_speedup = costmodel.fitted_speedup(fit, p)
-        out.append(f"| {p} | {row.train_min} | {row.comm_min} | {row.model_train_min:.1f} | "
-                   f"{row.model_comm_min:.2f} | {paper_speedup:.2f} | {model_speedup:.2f} |")
-    out.append(f"| 32 | - | - | - | - | 17 (reported) | {costmodel.fitted_speedup(fit, 32):.2f} |")
-    out.append("\nSpeedup = train(1) / train(N) with the communication inside the train column "
-               "(docs/cost-model.md); K = 20 at 16 GPUs: model "
-               f"{costmodel.fitted_speedup(fit, 16, K=20):.2f}, paper 10.07.")
-    if mpi_dir is None or not (mpi_dir / "ranks2" / "summary.json").is_file():
-        out.append("\nNo MPI measurement in this report.")
-        return "\n".join(out)
-    one, two = read_summary(mpi_dir / "ranks1"), read_summary(mpi_dir / "ranks2")
-    out += ["", "### Measured on this machine (MPI ranks, one thread each)", "",
-            "| ranks | wall s | compute s | comm s | comm % | speedup | CV frame acc % |",
-            "|---|---|---|---|---|---|---|"]
-    for s in (one, two):
-        out.append(f"| {s['ranks']} | {s['wall_seconds']:.1f} | {s['compute_seconds']:.1f} | "
-                   f"{s['comm_seconds']:.2f} | {100 * s['comm_fraction']:.2f} | "
-                   f"{_number(s['speedup'])} | "
-                   f"{100 * s['cv_frame_accuracy']:.2f} |")
-    measured = costmodel.from_summary(two)
-    out += ["", "### Predicted for labavg's default model on a cluster (cost model, 10 GbE assumed)",
-            "", "| ranks | K | predicted speedup | efficiency |", "|---|---|---|---|"]
-    for pred in costmodel.predict(measured, [2, 4, 8, 16, 32, 64], local_overhead_s=0.0):
-        out.append(f"| {pred.ranks} | {pred.K} | {pred.speedup:.2f} | {pred.efficiency:.2f} |")
-    return "\n".join(out)
+    for n, opt in sorted({(r.get("ranks"), r.get("optimizer")) for r in runs}):
+        here = select(runs, ranks=n, optimizer=opt)
+        out.append(f"| {n} | {opt} | {_seeds(here)} | {_mean_sd(_stat(here, 'wer'))} | "
+                   f"{_ci_of_runs(here)} | {_mean_sd(_stat(here, 'per'))} | "
+                   f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} |")
+    return out
 
 
-def paper_sweep(corpus: Path, *, epochs: int, seeds: int) -> "Sweep":
-    """The paper's comparisons as one sweep: NG-SGD, exponential schedule, K=10, lr x N."""
-    from labavg.config import DataConfig, TrainConfig
-    from labavg.sweep import Sweep
-
-    base = TrainConfig(optimizer="ngsgd", schedule="exponential", average_every=10,
-                       lr_scaling="linear", epochs=epochs, tensorboard=False, log_every=10,
-                       data=DataConfig(data=str(corpus)))
-    seed_list = list(range(seeds))
-    grids = [
-        {"ranks": [1, 8, 16, 32], "seed": seed_list},
-        {"ranks": [16], "average_every": [10, 20], "seed": seed_list},
-        {"ranks": [1, 16], "optimizer": ["ngsgd", "sgd"], "seed": seed_list},
-        {"ranks": [32], "pretrain": ["rbm", "none"], "seed": seed_list},
-        {"ranks": [16], "schedule": ["exponential", "newbob"], "seed": seed_list},
-    ]
-    return Sweep(base, grids)
+MPI_POINTS = (("ranks1", 1, 10), ("ranks2", 2, 10), ("ranks2-K20", 2, 20))
 
 
-def yesno_sweep(recipe: Path, *, seeds: int) -> "Sweep":
-    """The real yesno recipe: few utterances, so at most 8 workers; small model and context."""
-    from labavg.config import DataConfig, TrainConfig
-    from labavg.model import ModelConfig
-    from labavg.sweep import Sweep
+def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | None = None) -> None:
+    """1 and 2 MPI ranks (K = 10 and 20) with the comparisons' model and data; resumable."""
+    import shutil
 
-    base = TrainConfig(optimizer="ngsgd", average_every=10, epochs=6, minibatch=64, lr=0.002,
-                       tensorboard=False, log_every=10,
-                       model=ModelConfig(hidden_layers=2, hidden_dim=128),
-                       data=DataConfig(data=str(recipe / "data/train_yesno"),
-                                       ali_dir=str(recipe / "exp/mono0a")))
-    seed_list = list(range(seeds))
-    grids = [{"ranks": [1, 4, 8], "seed": seed_list},
-             {"ranks": [1, 4], "optimizer": ["ngsgd", "sgd"], "seed": seed_list}]
-    return Sweep(base, grids)
-
-
-def measure_mpi(corpus: Path, out: Path, *, epochs: int) -> None:
-    """1 and 2 MPI ranks (an mpiexec job for 2) on the built-in corpus; resumable."""
-    from labavg.config import DataConfig, TrainConfig
+    from labavg.config import validate, with_overrides
     from labavg.launch import start_run
+    from labavg.sweep import load_sweep
 
-    for ranks in (1, 2):
-        run = out / f"ranks{ranks}"
+    base = load_sweep(paper_file).base
+    for name, ranks, k in MPI_POINTS:
+        run = out / "runs" / name
         if (run / "summary.json").is_file():
             continue
         if run.exists():
-            import shutil
-
             shutil.rmtree(run)
-        cfg = TrainConfig(out=str(run), ranks=ranks, backend="mpi", epochs=epochs,
-                          optimizer="ngsgd", tensorboard=False, data=DataConfig(data=str(corpus)))
-        start_run(cfg).wait()
+        cfg = validate(with_overrides(base, {"out": str(run.resolve()), "ranks": ranks,
+                                             "backend": "mpi", "average_every": k,
+                                             "epochs": epochs, "decode_data": None}))
+        start_run(cfg, cwd=cwd).wait()
 
 
-def reproduce(out: Path, *, hours: float = 1.0, epochs: int = 4, seeds: int = 1,
-              yesno: Path | None = None, report: Path = Path("REPRODUCTION.md"),
+def speedup_section(mpi_runs: list[Run]) -> list[str]:
+    """The cost model fitted to the paper's timing table, and this machine's measurement."""
+    fit = costmodel.fit_paper_table()
+    out = ["#### The paper's timing table and the cost model fitted to it", "",
+           "| GPUs | paper train min/epoch | paper comm min | model train | model comm | "
+           "paper speedup | model speedup |", "|---|---|---|---|---|---|---|"]
+    for row in fit.rows:
+        paper_speedup = costmodel.PAPER_TABLE[0].train_min / row.train_min
+        out.append(f"| {row.ranks} | {row.train_min} | {row.comm_min} | {row.model_train_min:.1f} | "
+                   f"{row.model_comm_min:.2f} | {paper_speedup:.2f} | "
+                   f"{costmodel.fitted_speedup(fit, row.ranks):.2f} |")
+    out.append(f"| 32 | - | - | - | - | 17 (reported) | {costmodel.fitted_speedup(fit, 32):.2f} |")
+    out += ["", "Speedup = train(1) / train(N), communication inside the train column "
+            "(docs/cost-model.md). At 16 GPUs: K = 10 model "
+            f"{costmodel.fitted_speedup(fit, 16, K=10):.2f} (paper {PAPER_SPEEDUP_K[10]}), K = 20 "
+            f"model {costmodel.fitted_speedup(fit, 16, K=20):.2f} (paper {PAPER_SPEEDUP_K[20]})."]
+    summaries = {r.name: r.summary for r in mpi_runs}
+    if "ranks1" not in summaries or len(summaries) < 2:
+        return out + ["", "No MPI measurement in this report."]
+    one = summaries["ranks1"]
+    out += ["", "#### Measured on this machine (MPI ranks, one thread each, 1 epoch)", "",
+            "| ranks | K | wall s | compute s | comm s | comm % | speedup vs 1 rank | "
+            "cost model at 16 ranks, 10 GbE |", "|---|---|---|---|---|---|---|---|"]
+    for name, ranks, k in MPI_POINTS:
+        s = summaries.get(name)
+        if s is None:
+            continue
+        speedup = one["wall_seconds"] / s["wall_seconds"] if ranks > 1 else None
+        predicted = "-"
+        if ranks > 1:
+            pred = costmodel.predict(costmodel.from_summary(s), [16], Ks=[k])[0]
+            predicted = f"{pred.speedup:.2f} (efficiency {pred.efficiency:.2f})"
+        out.append(f"| {ranks} | {k} | {s['wall_seconds']:.1f} | {s['compute_seconds']:.1f} | "
+                   f"{s['comm_seconds']:.2f} | {100 * s['comm_fraction']:.1f} | {_num(speedup)} | "
+                   f"{predicted} |")
+    out += ["", "The prediction takes this run's compute per minibatch and its measured seconds per "
+            "averaging round as the local overhead, plus the allreduce of its parameters over "
+            "10 GbE (costmodel.predict)."]
+    return out
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class Experiments:
+    """The sweep files of one reproduction (experiments/ by default, tiny ones in the tests)."""
+
+    directory: Path
+
+    @property
+    def paper(self) -> Path:
+        return self.directory / "paper.toml"
+
+    @property
+    def regime(self) -> Path:
+        return self.directory / "regime.toml"
+
+    @property
+    def yesno(self) -> Path:
+        return self.directory / "yesno.toml"
+
+
+# The tiny version of the same pipeline (tests, notebooks at their CI size): same grids, two
+# seeds, a tiny model for one epoch on tiny corpora.
+TINY_BASE = {"epochs": 1, "log_every": 50, "checkpoint_every": 1000, "tensorboard": False,
+             "model": {"hidden_layers": 1, "hidden_dim": 24},
+             "data": {"context": 1, "buffer_frames": 4096}, "rbm": {"epochs": 1}}
+TINY_HOURS = {"paper": [(0.1, 0.005, 0.01)], "regime": [(0.03, 0, 0), (0.06, 0, 0)]}
+TINY_RANKS = {"regime": [1, 2, 4]}
+
+
+def _toml_value(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+
+
+def _toml_table(name: str, values: dict[str, Any], array: bool = False) -> list[str]:
+    head = f"[[{name}]]" if array else f"[{name}]"
+    lines = [head] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in values.items()
+                      if not isinstance(v, dict)]
+    for key, sub in values.items():
+        if isinstance(sub, dict):
+            lines += [""] + _toml_table(f"{name}.{key}", sub)
+    return lines
+
+
+def tiny_experiments(source: Path, dest: Path) -> Path:
+    """Write DEST/{paper,regime}.toml: SOURCE's grids with seeds 0 and 1, on tiny corpora under
+    DEST, with TINY_BASE over SOURCE's base; return DEST."""
+    import tomllib
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("paper", "regime"):
+        spec = tomllib.loads((source / f"{name}.toml").read_text(encoding="utf-8"))
+        corpora = [{"out": str((dest / f"{name}-{i}").resolve()), "hours": h, "dev_hours": d,
+                    "test_hours": t} for i, (h, d, t) in enumerate(TINY_HOURS[name])]
+        base = dict(spec.get("base", {}))
+        for key, value in TINY_BASE.items():
+            base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+        base["data"] = {**base.get("data", {}), "data": corpora[0]["out"]}
+        if base.get("decode_data"):
+            base["decode_data"] = corpora[0]["out"]
+        lines = [f"# Tiny version of {source / name}.toml (labavg.reproduction.tiny_experiments)"]
+        for corpus in corpora:
+            lines += [""] + _toml_table("corpus", corpus, array=True)
+        lines += [""] + _toml_table("base", base)
+        grids = spec.get("grid", [])
+        for grid in grids if isinstance(grids, list) else [grids]:
+            grid = dict(grid)
+            if "seed" in grid:
+                grid["seed"] = [0, 1]
+            if "data.data" in grid:
+                grid["data.data"] = [c["out"] for c in corpora]
+            if name in TINY_RANKS and "ranks" in grid:
+                grid["ranks"] = TINY_RANKS[name]
+            lines += [""] + _toml_table("grid", grid, array=True)
+        atomic_write_text(dest / f"{name}.toml", "\n".join(lines) + "\n")
+    return dest
+
+
+def _sum_wall(*groups: list[Run]) -> float:
+    return sum(r.summary.get("wall_seconds") or 0.0 for g in groups for r in g)
+
+
+def comparison_map_points(paper_runs: list[Run], base: dict[str, Any]) -> list[MapPoint]:
+    """The comparisons' workers runs as points of the regime map."""
+    return regime_points([r for r in paper_runs if all(
+        r.get(k) == v for k, v in base.items() if k != "ranks")])
+
+
+def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, command: str,
+                  seconds: float, figure: Path | None, report: Path) -> str:
+    """REPRODUCTION.md (above the discussion marker) from the finished runs."""
+    paper_runs, regime_runs, yesno_runs = (runs.get(k, []) for k in SWEEPS)
+    base = base_settings(paper_runs, experiments.paper)
+    points = regime_points(regime_runs)
+    s0 = paper_runs[0].settings if paper_runs else {}
+    updates32 = _stat(select(paper_runs, **base | {"ranks": 32}), "steps")
+    hours = s0.get("corpus_hours")
+    parts = [
+        "# Reproducing Su & Chen (2015) with labavg", "",
+        f"Generated by `{command}`, resumable (finished runs are reused). This invocation took "
+        f"{seconds / 60:.1f} min; the runs it reports took {_sum_wall(paper_runs, regime_runs, yesno_runs) / 3600:.1f} h "
+        "of wall time in all (as they ran, two at a time on a 2-core machine).", "",
+        "## What was chosen, and why", "",
+        "The paper's result (16-32 workers train nearly as well as one) holds where each worker "
+        "makes many updates between the start and the end of training: its 300 h of Switchboard "
+        "gave each of 32 GPUs about 3,300 minibatches per epoch. The regime map below measures "
+        "how the accuracy lost to averaging shrinks as the updates per worker grow, and the "
+        "comparisons are sized to sit inside that regime on a 2-core machine:",
+        f"- corpus: the built-in synthetic speech, {_num(hours, 1)} h of training speech, with "
+        "held-out dev (acoustic scale) and test (scored) sets of other speakers;",
+        f"- model {s0.get('model.hidden_layers', '-')} x {s0.get('model.hidden_dim', '-')} "
+        f"{s0.get('model.nonlinearity', '')}, {s0.get('epochs', '-')} epochs, minibatch "
+        f"{base.get('minibatch')}, K = {base.get('average_every')} minibatches, NG-SGD, exponential "
+        f"schedule, learning rate {s0.get('lr', '-')} x N workers;",
+        f"- so that every worker at N = 32 makes {_num(updates32.mean if updates32 else None, 0)} "
+        "updates (the issue asked for at least 1,000), while all comparisons x 3 seeds fit in a "
+        "few hours; workers are simulated in one process (`inproc`: the same arithmetic as MPI "
+        "ranks), so 32 fit on 2 cores;",
+        "- every row is decoded (HLG from kaldifst, kaldi-decoder): WER and PER on the test set, "
+        "with the test set's 95 % bootstrap interval, CV frame accuracy beside them;",
+        "- plain SGD is plain (no max-change, as nnet1's SGD, the paper's baseline); NG-SGD keeps "
+        "Kaldi nnet2's max-change.", "",
+        "Verdicts use seeds: the per-seed paired difference (same seed, same data) gets a 95 % "
+        "t-interval of its mean; a comparison agrees or disagrees with the paper only when the "
+        "interval excludes zero, and is **within noise** otherwise.", "",
+        "## Verdicts at a glance", "",
+        "| comparison | verdict |", "|---|---|",
+    ]
+    parts += [f"| {title} | {word} |" for title, word in verdict_summary(paper_runs, base)]
+    parts += ["", "## The regime map", "",
+              f"Made by `labavg sweep {experiments.regime}` (also run by this command): "
+              "CV frame accuracy lost by N workers against one worker on the same corpus and "
+              "seed, for several corpus sizes. Updates per worker = minibatches each worker "
+              "trained in the whole run.", ""]
+    if figure is not None and figure.is_file():
+        rel = os.path.relpath(figure.resolve(), report.resolve().parent)
+        parts += [f"![regime map]({rel})", "",
+                  "Left: the loss against N, one line per corpus size. Right: the same points "
+                  "against updates per worker; black stars: the comparisons below (their "
+                  "corpus, 4 epochs, minibatch 128); dashed lines: the paper's updates per worker "
+                  "in one epoch at 32 (left) and 16 GPUs (right).", ""]
+    parts += regime_table(points) if points else ["No regime runs yet."]
+    parts += ["", "## The paper's comparisons", "",
+              f"Made by `labavg sweep {experiments.paper}` (also run by this command). WER and "
+              "PER in %, lower is better; frame accuracy in %, higher is better.", ""]
+    parts += comparison_sections(paper_runs, base)
+    if yesno_runs:
+        parts += ["", "## Real data: Kaldi's yesno recipe", "",
+                  f"Made by `labavg sweep {experiments.yesno}` in the recipe directory; decoded on "
+                  "test_yesno (29 utterances, 232 words), where the recipe's monophone GMM scores "
+                  "0.00 % WER. yesno has 31 training utterances, so at most 8 workers; with 11 "
+                  "pdfs and two words it is easy, and differences are small.", ""]
+        parts += yesno_section(yesno_runs)
+    parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))
+    return "\n".join(parts) + "\n"
+
+
+def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int) -> None:
+    """`labavg sweep` for each (name, file, out, cwd), `parallel` at a time, logs in OUT.log."""
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, file, out, cwd = pending.pop(0)
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out.parent / f"{name}.log", "ab")
+            print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log.name})", flush=True)
+            proc = subprocess.Popen([sys.executable, "-m", "labavg.cli", "sweep", str(file.resolve()),
+                                     "--out", str(out.resolve())], cwd=cwd, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            running.append((name, proc, log))
+        time.sleep(1.0)
+        for item in list(running):
+            name, proc, log = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log.close()
+                if proc.returncode != 0:
+                    failed.append(f"{name} (exit status {proc.returncode}; see {log.name})")
+    if failed:
+        raise UserError(f"sweeps failed: {', '.join(failed)}")
+
+
+def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,
+              report: Path = Path("REPRODUCTION.md"), figure: Path | None = None,
+              parallel: int = 2, mpi: bool = True, results: Path | None = None,
               command: str = "labavg reproduce") -> Path:
-    """Run (or resume) every experiment and write the report; return its path."""
-    from labavg.data.synth import synthesize
-    from labavg.sweep import run_sweep
+    """Run (or resume) every experiment, then write the report and the figure; return its path."""
+    start = time.perf_counter()
+    exp = Experiments(experiments)
+    for path in (exp.paper, exp.regime) + ((exp.yesno,) if yesno is not None else ()):
+        if not path.is_file():
+            raise UserError(f"{path}: no such sweep file (labavg reproduce --experiments DIR)")
+    if yesno is not None and not (yesno / "data").is_dir():
+        raise UserError(f"--yesno {yesno}: not a Kaldi yesno recipe directory (no data/)")
+    # Validate every file before hours of training start.
+    from labavg.sweep import load_sweep
 
-    corpus = out / "corpus"
-    if not (corpus / "feats.scp").is_file():
-        synthesize(corpus, hours=hours, seed=0, overwrite=True)
-    sweep = paper_sweep(corpus, epochs=epochs, seeds=seeds)
-    run_sweep(sweep, out / "paper")
+    for path in (exp.paper, exp.regime):
+        load_sweep(path)
+    jobs = [("paper", exp.paper, out / "paper", None), ("regime", exp.regime, out / "regime", None)]
     if yesno is not None:
-        # Kaldi resolves scp paths against the working directory: the ranks run in the recipe.
-        run_sweep(yesno_sweep(Path("."), seeds=seeds), out / "yesno", cwd=yesno)
-    measure_mpi(corpus, out / "mpi", epochs=1)
-    text = render_report(out, sweep, yesno is not None, hours=hours, epochs=epochs,
-                         seeds=seeds, command=command)
+        jobs.append(("yesno", exp.yesno, out / "yesno", yesno))
+    _run_sweeps(jobs, parallel)
+    if mpi:
+        measure_mpi(exp.paper, out / "mpi")
+    figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
+    runs = collect(out)
+    write_results_file(runs, results if results is not None else exp.directory / RESULTS_FILE)
+    points = regime_points(runs["regime"])
+    if points:
+        base = base_settings(runs["paper"], exp.paper)
+        regime_figure(points, comparison_map_points(runs["paper"], base), figure)
+    text = render_report(runs, exp, command=command, seconds=time.perf_counter() - start,
+                         figure=figure, report=report)
     # A discussion written by people below the marker survives regeneration.
     kept = report.read_text().partition(DISCUSSION_MARKER)[2] if report.is_file() else ""
     atomic_write_text(report, f"{text}\n{DISCUSSION_MARKER}{kept or chr(10)}")
     return report
-
-
-def render_report(out: Path, sweep, with_yesno: bool, *, hours: float, epochs: int, seeds: int,
-                  command: str) -> str:
-    """REPRODUCTION.md from the finished runs under `out`."""
-    from labavg.config import to_dict
-
-    base = to_dict(sweep.base)
-    rows = load_rows(out / "paper")
-    parts = [
-        "# Reproducing Su & Chen (2015) with labavg", "",
-        f"Generated by `{command}` (resumable; finished runs are reused). Built-in corpus: "
-        f"{hours} h of synthetic speech, seed 0; {epochs} epochs per run; {seeds} seed(s) per "
-        "setting (spread shown as min-max when more than one). Base setting as in the paper: "
-        f"NG-SGD, exponential schedule to 0.01 x lr, K = {base['average_every']} minibatches of "
-        f"{base['minibatch']} frames, learning rate {base['lr']} x N workers, model "
-        f"{base['model']['hidden_layers']} x {base['model']['hidden_dim']} "
-        f"{base['model']['nonlinearity']}. Workers are simulated in one process (`inproc`, the "
-        "same arithmetic as MPI ranks), so 32 workers fit on this 2-core machine.", "",
-        "The paper's numbers are word error rates on Switchboard (lower is better); labavg's are "
-        "cross-validation frame accuracies (higher is better). A comparison agrees when the "
-        "ordering is the same.", "",
-        "## Built-in corpus", "",
-        comparison_tables(rows, base),
-    ]
-    if with_yesno:
-        yrows = load_rows(out / "yesno")
-        parts += ["", "## Real data: Kaldi yesno recipe (train_yesno, exp/mono0a alignments)", "",
-                  "| workers | optimizer | CV frame acc % |", "|---|---|---|"]
-        for r in sorted({(r.ranks, r.optimizer) for r in yrows}):
-            parts.append(f"| {r[0]} | {r[1]} | {_cell(_accuracy(yrows, ranks=r[0], optimizer=r[1]))} |")
-        parts.append("\nyesno has 31 training utterances (3 held out), so it allows at most 8 "
-                     "workers; its 11 pdfs make it easy, so differences are small.")
-    parts += ["", "## Speedup", "", speedup_section(out / "mpi"), "",
-              "## Where labavg differs from the paper, and why", "",
-              "- Scale: the paper trained 300 h on GPUs for many epochs; here each worker sees "
-              "a few thousand frames per epoch, so with 32 workers an epoch is only a handful of "
-              "averaging rounds. Effects that need many rounds (e.g. the benefit of frequent "
-              "averaging) are weaker or reversed at this size.",
-              "- Metric: frame accuracy on held-out synthetic utterances, not WER after decoding.",
-              "- Hardware: speedup is measured for 1 and 2 MPI ranks on this 2-core machine "
-              "(one thread each); larger counts come from the cost model fitted to the paper's "
-              "timing table (docs/cost-model.md), not from measurement.",
-              "- Inproc workers run as threads sharing two cores: their wall times say nothing "
-              "about speedup, only their accuracies are compared.", ""]
-    return "\n".join(parts)

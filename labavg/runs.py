@@ -122,6 +122,24 @@ def _get(values: dict[str, Any], dotted: str) -> Any:
     return values
 
 
+class RunDirBusy(UserError):
+    """The run directory is locked by another live job."""
+
+
+@contextmanager
+def lock_held(run_dir: Path) -> Iterator[None]:
+    """Tell jobs started inside (in this process or its children) that the lock is held here."""
+    before = os.environ.get(LOCK_HELD_ENV)
+    os.environ[LOCK_HELD_ENV] = str(Path(run_dir).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOCK_HELD_ENV, None)
+        else:
+            os.environ[LOCK_HELD_ENV] = before
+
+
 @contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the life of the job, so that a second job cannot write there.
@@ -149,7 +167,7 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-            raise UserError(f"run directory {run_dir} is in use by another job ({_describe(holder)}); "
+            raise RunDirBusy(f"run directory {run_dir} is in use by another job ({_describe(holder)}); "
                             f"wait for it to end or stop it first") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
@@ -362,6 +380,26 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
         from labavg.decode.run import export_and_decode
 
         summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
+        atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def decode_pending(run_dir: Path) -> bool:
+    """A finished run asked to decode whose decode did not finish (stopped while it ran)."""
+    summary = read_summary(run_dir)
+    wanted = (summary.get("config") or {}).get("decode_data")
+    return wanted is not None and summary.get("wer") is None
+
+
+def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]:
+    """Export and decode a finished run whose decode was cut short; return its new summary."""
+    from labavg.decode.run import export_and_decode
+
+    run_dir = Path(cfg.out)
+    with run_dir_lock(run_dir):
+        summary = read_summary(run_dir)
+        summary.update(export_and_decode(run_dir, cfg, open_source(cfg, allow_pipes),
+                                         cfg.decode_data))
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -24,6 +24,7 @@ finished runs and resuming interrupted ones) and writes SWEEP_DIR/results.csv an
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import itertools
@@ -38,7 +39,8 @@ from labavg.checkpoint import atomic_write_text, latest_step
 from labavg.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
 from labavg.errors import UserError
 from labavg.index import SUMMARY, summary_row
-from labavg.runs import read_summary
+from labavg.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
+                         run_dir_lock)
 
 COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch",
            "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy", "cv_loss", "wall_seconds",
@@ -182,21 +184,46 @@ def run_sweep(
 
     make_corpora(sweep, cwd)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, elsewhere = [], []
     for name, overrides in sweep.points():
         run_dir = out / "runs" / name
         cfg = validate(with_overrides(sweep.base, {**overrides, "out": str(run_dir)}))
-        if not (run_dir / SUMMARY).is_file():
-            resume = latest_step(run_dir) is not None
-            if not resume and run_dir.exists():
-                # An attempt that died before its first checkpoint: start it afresh.
-                for leftover in ("events.jsonl", "config.json"):
-                    (run_dir / leftover).unlink(missing_ok=True)
-            train_point(cfg, resume)
+        try:
+            # Held for the whole point, so a second sweep of the same directory (another
+            # process, another node) passes this point by instead of training it twice.
+            with run_dir_lock(run_dir), lock_held(run_dir):
+                _run_point(cfg, run_dir, train_point, cwd)
+        except RunDirBusy:
+            elsewhere.append(name)
+            continue
         row = summary_row(name, read_summary(run_dir))
         rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
         write_results(rows, out)
+    for name in elsewhere:  # trained by the other sweep meanwhile?
+        if (out / "runs" / name / SUMMARY).is_file():
+            row = summary_row(name, read_summary(out / "runs" / name))
+            rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
+    write_results(rows, out)
+    still = [n for n in elsewhere if not (out / "runs" / n / SUMMARY).is_file()]
+    if still:
+        print(f"labavg sweep: {len(still)} point(s) are being trained by another job "
+              f"({', '.join(still[:3])}{' ...' if len(still) > 3 else ''}); run the sweep again "
+              "when it ends to tabulate them", flush=True)
     return rows
+
+
+def _run_point(cfg: TrainConfig, run_dir: Path, train_point, cwd) -> None:
+    if not (run_dir / SUMMARY).is_file():
+        resume = latest_step(run_dir) is not None
+        if not resume and run_dir.exists():
+            # An attempt that died before its first checkpoint: start it afresh.
+            for leftover in ("events.jsonl", "config.json"):
+                (run_dir / leftover).unlink(missing_ok=True)
+        train_point(cfg, resume)
+    elif decode_pending(run_dir):
+        # Trained, but stopped while it decoded: decode it now, where its paths resolve.
+        with contextlib.chdir(cwd or "."):
+            finish_decode(cfg)
 
 
 def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None:

@@ -122,3 +122,46 @@ def test_a_bad_corpus_table_is_refused_naming_it(corpus, tmp_path, table, messag
     with pytest.raises(UserError) as err:
         load_sweep(spec)
     assert "[[corpus]] 1" in str(err.value) and message in str(err.value)
+
+
+def test_a_run_stopped_while_it_decoded_is_decoded_when_the_sweep_resumes(tmp_path):
+    """The summary is written before the decode (so a failed decode keeps the training result);
+    a sweep resumed after a stop in the decode must decode the run, not take it as done."""
+    import json
+
+    from labavg.data.synth import synthesize
+
+    corpus = tmp_path / "c"
+    synthesize(corpus, hours=0.03, seed=0, dev_hours=0.005, test_hours=0.01)
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, "ranks = [1]")
+    spec.write_text(spec.read_text().replace("[base]\n", f'[base]\ndecode_data = "{corpus}"\n'))
+    sweep = load_sweep(spec)
+    run_sweep(sweep, tmp_path / "out")
+    run = tmp_path / "out" / "runs" / "ranks_1"
+    decoded = json.loads((run / "summary.json").read_text())
+    assert decoded["wer"] is not None
+    # as the summary stood before its decode
+    undecoded = {k: v for k, v in decoded.items()
+                 if k not in ("wer", "wer_ci", "per", "per_ci", "acwt", "decode_set")}
+    (run / "summary.json").write_text(json.dumps(undecoded))
+    rows = run_sweep(sweep, tmp_path / "out", train_point=lambda cfg, resume: None)
+    assert rows[0]["wer"] == decoded["wer"]
+    assert json.loads((run / "summary.json").read_text())["wer"] == decoded["wer"]
+
+
+def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_path, capsys):
+    """Two sweeps of one directory (two processes, or two nodes) share its points."""
+    from labavg.runs import run_dir_lock
+
+    spec = tmp_path / "s.toml"
+    write_sweep(spec, corpus, "ranks = [1, 2]")
+    sweep = load_sweep(spec)
+    held = tmp_path / "out" / "runs" / "ranks_1"
+    with run_dir_lock(held):  # as another sweep training it would
+        rows = run_sweep(sweep, tmp_path / "out")
+        assert [r["name"] for r in rows] == ["ranks_2"]
+        assert not (held / "summary.json").exists() and not (held / "events.jsonl").exists()
+    assert "1 point(s) are being trained by another job (ranks_1)" in capsys.readouterr().out
+    rows = run_sweep(sweep, tmp_path / "out")
+    assert [r["name"] for r in rows] == ["ranks_1", "ranks_2"]
