@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "the report)")
     rep.add_argument("--parallel", type=int, default=2, help="sweeps run at once (default 2)")
     rep.add_argument("--no-mpi", action="store_true", help="skip the 1 vs 2 MPI ranks measurement")
+    rep.add_argument("--report-only", action="store_true",
+                     help="train nothing: remake the report, figure and results file from the runs "
+                     "finished so far (while the sweeps run elsewhere)")
     rep.add_argument("--tiny", action="store_true",
                      help="the same pipeline at a tiny size (a few minutes): the sweep files' grids "
                      "with two seeds, a tiny model and corpora, all under --out (report included)")
@@ -263,7 +266,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         figure = figure or out / "regime-map.png"
     path = reproduce(out, experiments=experiments, yesno=Path(args.yesno) if args.yesno else None,
                      report=report, figure=figure, parallel=args.parallel, mpi=not args.no_mpi,
-                     command=command)
+                     train=not args.report_only, command=command)
     print(f"wrote {path}")
     return 0
 

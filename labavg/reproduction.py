@@ -37,6 +37,8 @@ PAPER_SPEEDUP_K = {10: 9.32, 20: 10.07}  # 16 GPUs
 PAPER_FRAMES_PER_EPOCH = 300 * 3600 * 100
 PAPER_MINIBATCH = 1024
 RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
+# The repository's experiments/ (labavg is installed editable from its checkout).
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 DISCUSSION_MARKER = "<!-- discussion below: kept when the report is regenerated -->"
 # The settings the comparisons vary; the rest is the sweep's base.
 VARIED = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch")
@@ -366,6 +368,7 @@ def verdict_summary(runs: list[Run], base: dict[str, Any]) -> list[tuple[str, st
 class MapPoint:
     """N workers on one corpus: updates per worker, rounds and the accuracy lost against N = 1."""
 
+    corpus: str
     hours: float
     ranks: int
     seeds: int
@@ -395,7 +398,7 @@ def regime_points(runs: list[Run]) -> list[MapPoint]:
             these = select(here, ranks=n)
             acc = _stat(these, "cv_frame_accuracy")
             points.append(MapPoint(
-                hours, n, len(these), _stat(these, "steps").mean,
+                data, hours, n, len(these), _stat(these, "steps").mean,
                 _stat(these, "averaging_rounds").mean, acc,
                 spread(paired(one, these, "cv_frame_accuracy")) if n > 1 else Spread(0, 0, len(one), 0, 0)))
     return points
@@ -427,12 +430,24 @@ def regime_figure(points: list[MapPoint], comparison: list[MapPoint], path: Path
     and 16 GPUs (right).
     """
     import holoviews as hv
+    import holoviews.plotting.mpl  # noqa: F401  (loads the backend without making it current)
 
-    hv.extension("matplotlib", logo=False)
+    mpl = {"backend": "matplotlib"}
+    previous = hv.Store.current_backend  # a notebook's (bokeh) is given back at the end
+    hv.Store.set_current_backend("matplotlib")
+    try:
+        return _draw_regime(hv, mpl, points, comparison, path)
+    finally:
+        hv.Store.set_current_backend(previous)
+
+
+def _draw_regime(hv, mpl: dict[str, str], points: list[MapPoint], comparison: list[MapPoint],
+                 path: Path) -> Path:
     by_n, by_updates = [], []
-    for hours in sorted({p.hours for p in points}):
-        pts = [p for p in points if p.hours == hours and p.loss is not None]
-        label = f"{_hours_label(hours)} corpus"
+    for corpus in dict.fromkeys(p.corpus for p in points):  # in order of size
+        pts = [p for p in points if p.corpus == corpus and p.loss is not None]
+        hours = pts[0].hours if pts else math.nan
+        label = f"{_hours_label(hours)} corpus" if math.isfinite(hours) else Path(corpus).name
         data = [(p.ranks, p.loss.mean) for p in pts]
         by_n.append(hv.Curve(data, "workers N", "loss", label=label)
                     * hv.Scatter(data, "workers N", "loss", label=label))
@@ -442,21 +457,22 @@ def regime_figure(points: list[MapPoint], comparison: list[MapPoint], path: Path
     cd = [(p.updates, p.loss.mean) for p in comparison if p.ranks > 1 and p.loss is not None]
     if cd:
         by_updates.append(hv.Scatter(cd, "updates", "loss", label="comparisons")
-                          .opts(marker="*", s=180, color="black"))
-    paper = [hv.VLine(paper_updates_per_worker(n)).opts(color="grey", linestyle="--")
+                          .opts(marker="*", s=180, color="black", **mpl))
+    paper = [hv.VLine(paper_updates_per_worker(n)).opts(color="grey", linestyle="--", **mpl)
              for n in (32, 16)]
-    zero = hv.HLine(0).opts(color="black", linewidth=0.8)
+    zero = hv.HLine(0).opts(color="black", linewidth=0.8, **mpl)
     ylabel = "CV frame accuracy lost vs 1 worker (points)"
     left = hv.Overlay(by_n + [zero]).opts(
         logx=True, xticks=[(n, str(n)) for n in (1, 2, 4, 8, 16, 32)],
         xlabel="workers N (log scale)", ylabel=ylabel, title="Accuracy lost against workers",
-        legend_position="bottom_left", show_grid=True, aspect=1.2)
+        legend_position="bottom_left", show_grid=True, aspect=1.2, **mpl)
     right = hv.Overlay(by_updates + paper + [zero]).opts(
         logx=True, xlabel="updates per worker, whole run (log scale)", ylabel=ylabel,
-        title="... against updates per worker", show_legend=False, show_grid=True, aspect=1.2)
+        title="... against updates per worker", show_legend=False, show_grid=True, aspect=1.2,
+        **mpl)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    layout = (left + right).opts(sublabel_format="", fig_inches=(11, 4.6))
+    layout = (left + right).opts(sublabel_format="", fig_inches=(11, 4.6), **mpl)
     hv.save(layout, tmp, fmt="png", backend="matplotlib", dpi=100)
     os.replace(tmp, path)
     return path
@@ -633,7 +649,7 @@ def comparison_map_points(paper_runs: list[Run], base: dict[str, Any]) -> list[M
 def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, command: str,
                   seconds: float, figure: Path | None, report: Path) -> str:
     """REPRODUCTION.md (above the discussion marker) from the finished runs."""
-    paper_runs, regime_runs, yesno_runs = (runs.get(k, []) for k in SWEEPS)
+    paper_runs, regime_runs, yesno_runs = (runs.get(k, []) for k in ("paper", "regime", "yesno"))
     base = base_settings(paper_runs, experiments.paper)
     points = regime_points(regime_runs)
     s0 = paper_runs[0].settings if paper_runs else {}
@@ -641,9 +657,12 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
     hours = s0.get("corpus_hours")
     parts = [
         "# Reproducing Su & Chen (2015) with labavg", "",
-        f"Generated by `{command}`, resumable (finished runs are reused). This invocation took "
-        f"{seconds / 60:.1f} min; the runs it reports took {_sum_wall(paper_runs, regime_runs, yesno_runs) / 3600:.1f} h "
-        "of wall time in all (as they ran, two at a time on a 2-core machine).", "",
+        "Everything here is regenerated by `labavg reproduce --yesno ../shared/data/kaldi-yesno` "
+        "(resumable: finished runs are reused; `--report-only` remakes this file from the runs "
+        f"there are). This file was written by `{command}` in {seconds / 60:.1f} min; the "
+        f"{sum(len(g) for g in runs.values())} runs it reports took "
+        f"{_sum_wall(*runs.values()) / 3600:.1f} h of training wall time in all (two runs at a "
+        "time on a 2-core machine; the decoding at the end of each run comes on top).", "",
         "## What was chosen, and why", "",
         "The paper's result (16-32 workers train nearly as well as one) holds where each worker "
         "makes many updates between the start and the end of training: its 300 h of Switchboard "
@@ -727,8 +746,10 @@ def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int) 
 def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,
               report: Path = Path("REPRODUCTION.md"), figure: Path | None = None,
               parallel: int = 2, mpi: bool = True, results: Path | None = None,
-              command: str = "labavg reproduce") -> Path:
-    """Run (or resume) every experiment, then write the report and the figure; return its path."""
+              train: bool = True, command: str = "labavg reproduce") -> Path:
+    """Run (or resume) every experiment, then write the report and the figure; return its path.
+
+    With `train` False nothing is trained: the report is remade from the runs there are."""
     start = time.perf_counter()
     exp = Experiments(experiments)
     for path in (exp.paper, exp.regime) + ((exp.yesno,) if yesno is not None else ()):
@@ -744,9 +765,10 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     jobs = [("paper", exp.paper, out / "paper", None), ("regime", exp.regime, out / "regime", None)]
     if yesno is not None:
         jobs.append(("yesno", exp.yesno, out / "yesno", yesno))
-    _run_sweeps(jobs, parallel)
-    if mpi:
-        measure_mpi(exp.paper, out / "mpi")
+    if train:
+        _run_sweeps(jobs, parallel)
+        if mpi:
+            measure_mpi(exp.paper, out / "mpi")
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
     runs = collect(out)
     write_results_file(runs, results if results is not None else exp.directory / RESULTS_FILE)
