@@ -177,5 +177,6 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
                         if c.cell_type == "code" for o in c.get("outputs", []))
         assert "### Number of workers" in shown and "| corpus h | workers N |" in shown
     if name == "07-scaling-and-speedup":
+        assert "16 workers lose -" in text and " points on 8 h" in text  # the regime map's
         two = _summaries(work)[work / "sweeps/07-scaling/runs/ranks_2"]
         assert two["speedup"] is not None and two["speedup"] > 0, "speedup against the 1-rank run"
