@@ -121,14 +121,43 @@ def load_runs(sweep_dir: Path) -> list[Run]:
             continue
         settings = _flatten(record.summary.get("config") or {})
         settings["corpus_hours"] = corpus_hours(settings.get("data.data") or "")
-        runs.append(Run(record.name, settings, record.summary))
+        summary = {**record.summary, "trace": run_trace(record.path)}
+        runs.append(Run(record.name, settings, summary))
     return runs
 
 
-SWEEPS = ("paper", "regime", "yesno", "mpi")
+def run_trace(run_dir: Path) -> dict[str, Any]:
+    """What the report needs of a run's events (rank 0): the learning rate, CV accuracy and
+    Newbob's decision at each epoch end, and how often max-change cut an update."""
+    epochs, logged, limited, scales = [], 0, 0, []
+    try:
+        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        if '"rank": 0,' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a crash
+        if event.get("type") == "epoch":
+            epochs.append({k: event.get(k) for k in ("epoch", "lr", "cv_frame_accuracy", "accepted")})
+        elif event.get("type") == "minibatch" and event.get("applied", True):
+            logged += 1
+            scale = event.get("max_change_scale", 1.0)
+            if scale < 1.0:
+                limited += 1
+                scales.append(scale)
+    return {"epochs": epochs, "max_change_limited": limited / logged if logged else None,
+            "max_change_median_scale": statistics.median(scales) if scales else None}
+
+
+SWEEPS = ("paper", "regime", "yesno", "mpi", "explain")
 # What a results file keeps of each run's settings: enough to select and to describe it.
 _KEPT = VARIED + ("seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",
-                  "model.hidden_layers", "model.hidden_dim", "model.nonlinearity", "decode_data")
+                  "model.hidden_layers", "model.hidden_dim", "model.nonlinearity", "decode_data",
+                  "final_lr", "max_change_per_sample", "max_param_change", "rbm.epochs")
 
 
 def collect(out: Path) -> dict[str, list[Run]]:
@@ -253,6 +282,10 @@ def _ci_of_runs(runs: dict[int, Run]) -> str:
     return f"{statistics.fmean(c[0] for c in cis):.2f}-{statistics.fmean(c[1] for c in cis):.2f}"
 
 
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f} %"
+
+
 def _seeds(runs: dict[int, Run]) -> str:
     return str(len(runs)) if runs else "0"
 
@@ -285,8 +318,8 @@ def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
     one = select(runs, ranks=1, **same)
     paper_rel = {n: 100 * (w - PAPER_WORKERS[1]) / PAPER_WORKERS[1] for n, w in PAPER_WORKERS.items()}
     out = ["| workers | seeds | updates per worker | WER % (mean ± sd) | test-set 95 % CI | PER % | "
-           "CV frame acc % | WER change vs 1 worker, % relative [95 % CI] | paper WER % (change) | "
-           "verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "CV frame acc % | updates cut by max-change | WER change vs 1 worker, % relative "
+           "[95 % CI] | paper WER % (change) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, paper in PAPER_WORKERS.items():
         here = select(runs, ranks=n, **same)
         updates = _stat(here, "steps")
@@ -307,7 +340,7 @@ def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
         out.append(
             f"| {n} | {_seeds(here)} | {'-' if updates is None else f'{updates.mean:,.0f}'} | "
             f"{_mean_sd(_stat(here, 'wer'))} | {_ci_of_runs(here)} | {_mean_sd(_stat(here, 'per'))} | "
-            f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | "
+            f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | {_percent(_trace_stat(here, 'max_change_limited'))} | "
             f"{'-' if n == 1 else _interval(rel, 1)} | {paper_cell} | {word} |")
     out += ["", "A row agrees when the paper's relative WER change lies inside the interval or "
             "above it (averaging costs no more than in the paper); it disagrees when the whole "
@@ -339,6 +372,92 @@ def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
             f"{_interval(wer_diff)} points{paper_diff}; frame accuracy {pair.better} minus "
             f"{pair.worse}: {_interval(acc_diff)} points. Paper: {pair.finding}. "
             f"**Verdict: {word}.**"]
+    return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An experiment that explains a disagreement: rows (label, sweep, settings), each set of
+    runs compared, seed by seed, with the first row."""
+
+    title: str
+    question: str
+    rows: tuple[tuple[str, str, dict[str, Any]], ...]
+
+
+PROBES = (
+    Probe("Does RBM pretraining help at this scale at all, and are 32 workers' RBMs under-trained?",
+          "RBM pretraining against random initialisation at 1 worker, and at 32 workers with 1 and "
+          "4 epochs of CD-1 per layer (pretrain_dbn.sh: rbm_iter = 1, for 300 h).",
+          (("1 worker, random init", "paper", {"ranks": 1, "pretrain": "none"}),
+           ("1 worker, RBM (1 epoch)", "explain", {"ranks": 1, "pretrain": "rbm"}),
+           ("32 workers, random init", "paper", {"ranks": 32, "pretrain": "none"}),
+           ("32 workers, RBM (1 epoch)", "paper", {"ranks": 32, "pretrain": "rbm"}),
+           ("32 workers, RBM (4 epochs)", "explain", {"ranks": 32, "pretrain": "rbm", "rbm.epochs": 4}))),
+    Probe("Is it the exponential schedule's end point that Newbob beats?",
+          "16 workers: the exponential schedule to 0.01 x lr (the paper's), the same to 0.1 x lr, "
+          "and Newbob.",
+          (("exponential to 0.01 x lr", "paper", {"ranks": 16, "schedule": "exponential", "final_lr": None}),
+           ("exponential to 0.1 x lr", "explain", {"ranks": 16, "schedule": "exponential", "final_lr": 0.0008}),
+           ("Newbob", "paper", {"ranks": 16, "schedule": "newbob"}))),
+    Probe("Is max-change what holds many workers back?",
+          "16 workers with Kaldi's per-frame max-change (the default) and without it (the "
+          "whole-model limit stays), against 1 worker.",
+          (("1 worker", "paper", {"ranks": 1}),
+           ("16 workers, max-change", "paper", {"ranks": 16, "max_change_per_sample": None}),
+           ("16 workers, no per-frame max-change", "explain",
+            {"ranks": 16, "max_change_per_sample": 0.0}))),
+)
+
+
+def _trace_stat(runs: dict[int, Run], key: str) -> float | None:
+    values = [r.summary.get("trace", {}).get(key) for r in runs.values()]
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def probe_section(runs: dict[str, list[Run]], base: dict[str, Any], probe: Probe) -> list[str]:
+    """One explaining experiment: each row's WER and accuracy, and its paired difference."""
+    out = [f"### {probe.title}", "", probe.question, "",
+           "| setting | seeds | WER % (mean ± sd) | WER vs first row, points [95 % CI] | "
+           "CV frame acc % | updates cut by max-change | final lr |", "|---|---|---|---|---|---|---|"]
+    first = None
+    for label, sweep, want in probe.rows:
+        fixed = {**{k: v for k, v in base.items() if k not in want}, **want}
+        here = select(runs.get(sweep, []), **{k.replace(".", "__"): v for k, v in fixed.items()})
+        if first is None:
+            first, diff = here, "-"
+        else:
+            diff = _interval(spread(paired(first, here, "wer")))
+        cut = _trace_stat(here, "max_change_limited")
+        lrs = [r.summary.get("trace", {}).get("epochs", [{}])[-1].get("lr") for r in here.values()
+               if r.summary.get("trace", {}).get("epochs")]
+        out.append(f"| {label} | {_seeds(here)} | {_mean_sd(_stat(here, 'wer'))} | {diff} | "
+                   f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | "
+                   f"{'-' if cut is None else f'{100 * cut:.0f} %'} | "
+                   f"{'-' if not lrs else f'{statistics.fmean(lrs):.2g}'} |")
+    return out
+
+
+def schedule_trace(runs: list[Run], base: dict[str, Any]) -> list[str]:
+    """The learning rate and CV accuracy at each epoch end, exponential vs Newbob (seed 0)."""
+    out = ["| epoch | exponential: lr | CV acc % | Newbob: lr | CV acc % | accepted |",
+           "|---|---|---|---|---|---|"]
+    fixed = {k: v for k, v in base.items() if k not in ("ranks", "schedule")}
+    exp = select(runs, **fixed, ranks=16, schedule="exponential", final_lr=None).get(0)
+    nb = select(runs, **fixed, ranks=16, schedule="newbob").get(0)
+    if exp is None or nb is None:
+        return ["(seed 0 of both schedules not finished yet)"]
+    e_ep, n_ep = exp.summary.get("trace", {}).get("epochs", []), nb.summary.get("trace", {}).get("epochs", [])
+    for i in range(max(len(e_ep), len(n_ep))):
+        e = e_ep[i] if i < len(e_ep) else {}
+        n = n_ep[i] if i < len(n_ep) else {}
+        def cell(d, key, scale=1.0, fmt="{:.3g}"):
+            v = d.get(key)
+            return "-" if v is None else fmt.format(scale * v)
+        out.append(f"| {i + 1} | {cell(e, 'lr')} | {cell(e, 'cv_frame_accuracy', 100, '{:.2f}')} | "
+                   f"{cell(n, 'lr')} | {cell(n, 'cv_frame_accuracy', 100, '{:.2f}')} | "
+                   f"{n.get('accepted', '-')} |")
     return out
 
 
@@ -578,6 +697,10 @@ class Experiments:
     def yesno(self) -> Path:
         return self.directory / "yesno.toml"
 
+    @property
+    def explain(self) -> Path:
+        return self.directory / "explain.toml"
+
 
 # The tiny version of the same pipeline (tests, notebooks at their CI size): same grids, two
 # seeds, a tiny model for one epoch on tiny corpora.
@@ -603,15 +726,17 @@ def _toml_table(name: str, values: dict[str, Any], array: bool = False) -> list[
 
 
 def tiny_experiments(source: Path, dest: Path) -> Path:
-    """Write DEST/{paper,regime}.toml: SOURCE's grids with seeds 0 and 1, on tiny corpora under
-    DEST, with TINY_BASE over SOURCE's base; return DEST."""
+    """Write DEST/{paper,regime,explain}.toml: SOURCE's grids with seeds 0 and 1, on tiny corpora
+    under DEST, with TINY_BASE over SOURCE's base; return DEST."""
     import tomllib
 
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("paper", "regime"):
+    names = ("paper", "regime") + (("explain",) if (source / "explain.toml").is_file() else ())
+    for name in names:
         spec = tomllib.loads((source / f"{name}.toml").read_text(encoding="utf-8"))
-        corpora = [{"out": str((dest / f"{name}-{i}").resolve()), "hours": h, "dev_hours": d,
-                    "test_hours": t} for i, (h, d, t) in enumerate(TINY_HOURS[name])]
+        data = "paper" if name == "explain" else name  # explain.toml trains on paper.toml's corpus
+        corpora = [{"out": str((dest / f"{data}-{i}").resolve()), "hours": h, "dev_hours": d,
+                    "test_hours": t} for i, (h, d, t) in enumerate(TINY_HOURS[data])]
         base = dict(spec.get("base", {}))
         for key, value in TINY_BASE.items():
             base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
@@ -714,6 +839,14 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
                   "0.00 % WER. yesno has 31 training utterances, so at most 8 workers; with 11 "
                   "pdfs and two words it is easy, and differences are small.", ""]
         parts += yesno_section(yesno_runs)
+    if runs.get("explain"):
+        parts += ["", "## Why the disagreements: experiments", "",
+                  f"Made by `labavg sweep {experiments.directory / 'explain.toml'}` (also run by this "
+                  "command), against the runs above; same corpus and base settings, three seeds.", ""]
+        for probe in PROBES:
+            parts += probe_section(runs, base, probe) + [""]
+        parts += ["#### The two schedules epoch by epoch (16 workers, seed 0)", ""]
+        parts += schedule_trace(paper_runs, base)
     parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))
     return "\n".join(parts) + "\n"
 
@@ -765,6 +898,8 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     jobs = [("paper", exp.paper, out / "paper", None), ("regime", exp.regime, out / "regime", None)]
     if yesno is not None:
         jobs.append(("yesno", exp.yesno, out / "yesno", yesno))
+    if exp.explain.is_file():
+        jobs.append(("explain", exp.explain, out / "explain", None))
     if train:
         _run_sweeps(jobs, parallel)
         if mpi:

@@ -113,6 +113,10 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     assert len(rows) == 6 and all("| 2 |" in line for line in rows)
     assert sum("[" in line for line in rows) == 4  # N = 2 and 4 on each corpus
     assert "#### Measured on this machine" in text and "| 2 | 20 |" in text
+    # the explaining experiments, each row against the first, seed by seed
+    why = text.split("## Why the disagreements: experiments")[1].split("## Speedup")[0]
+    assert why.count("### ") == 3 and "| 32 workers, RBM (4 epochs) | 2 |" in why
+    assert "| Newbob | 2 |" in why and "| 16 workers, no per-frame max-change | 2 |" in why
 
     # A second run trains nothing and keeps the discussion written below the marker.
     report.write_text(report.read_text() + "A human's discussion.\n")
@@ -127,6 +131,7 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
 
     results = read_results_file(out / "experiments" / "reproduction-results.jsonl")
     assert len(results["paper"]) == 20 and len(results["regime"]) == 12
+    assert len(results["explain"]) == 8 and len(results["mpi"]) == 3
     remade = render_report(results, Experiments(out / "experiments"), command="x", seconds=0,
                            figure=None, report=report)
     ours = again.split("## The paper's comparisons")[1].split("## Speedup")[0]
