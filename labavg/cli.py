@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_parser(sub)
 
     info = sub.add_parser("info", help="summarise run directories",
-                          description="Print the summaries of finished runs as a table.")
-    info.add_argument("run_dirs", nargs="+", help="run directories")
+                          description="Print the summaries of runs as one table: each PATH is a "
+                          "run directory or a directory searched (recursively) for runs.")
+    info.add_argument("run_dirs", nargs="+", metavar="PATH",
+                      help="a run directory, or a directory of runs (a sweep, runs/)")
     info.add_argument("--json", action="store_true", help="print summary.json instead")
     info.set_defaults(func=cmd_info)
     return parser
@@ -320,14 +322,61 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs_under(path: str) -> list[Path]:
+    """`path` if it is a run, else every run below it (a run's own subfolders are not searched)."""
+    import re
+
+    from labavg.index import CONFIG, SUMMARY
+
+    top = Path(path)
+    if not top.exists():
+        raise UserError(f"{path}: no such run or directory")
+    if not top.is_dir():
+        raise UserError(f"{path}: not a run directory (a run is a directory with {CONFIG} or {SUMMARY})")
+    # Sweeps name runs ranks_1, ranks_2, ..., ranks_16: compare their numbers as numbers.
+    natural = lambda name: [(0, int(t), "") if t.isdigit() else (1, 0, t)  # noqa: E731
+                            for t in re.split(r"(\d+)", name)]
+    found = []
+    for here, dirs, files in os.walk(top):
+        if CONFIG in files or SUMMARY in files:
+            found.append(Path(here))
+            dirs[:] = []
+        else:
+            dirs.sort(key=natural)
+    if not found:
+        raise UserError(f"{path}: no labavg run in it or below it (no {CONFIG} or {SUMMARY})")
+    return found
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    from labavg.index import CONFIG, SUMMARY, read_json
     from labavg.runs import format_table, read_summary
 
-    summaries = [{"run": d, **read_summary(Path(d))} for d in args.run_dirs]
+    run_dirs, seen = [], set()
+    for path in args.run_dirs:
+        for run_dir in _runs_under(path):
+            if run_dir.resolve() not in seen:
+                seen.add(run_dir.resolve())
+                run_dirs.append(run_dir)
+    summaries, rows = [], []
+    for run_dir in run_dirs:
+        if (run_dir / SUMMARY).exists():
+            summary = {"run": str(run_dir), **read_summary(run_dir)}
+            row = summary
+        else:  # started, not ended: its settings are known, its results not yet
+            config = read_json(run_dir / CONFIG)
+            if not isinstance(config, dict):
+                raise UserError(f"{run_dir / CONFIG}: not a JSON object")
+            summary = {"run": str(run_dir), "status": "running/incomplete", "config": config}
+            row = {"run": f"{run_dir} (running/incomplete)", "config": config}
+        summaries.append(summary)
+        rows.append(row)
     if args.json:
-        print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2))
+        # One run named by itself prints its object, as before; anything searched is a list.
+        single = len(summaries) == 1 and len(args.run_dirs) == 1 and run_dirs[0] == Path(args.run_dirs[0])
+        print(json.dumps(summaries[0] if single else summaries, indent=2))
     else:
-        print(format_table(summaries))
+        print(format_table(rows))
     return 0
 
 

@@ -21,6 +21,7 @@ collective, so a silent heartbeat means a dead or frozen process, not a slow ste
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import statistics
@@ -76,6 +77,16 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _wait_pids(pids: set[int], timeout: float) -> set[int]:
+    """Wait up to `timeout` s for the processes to end; the pids still running then."""
+    deadline = time.monotonic() + timeout
+    alive = {pid for pid in pids if _pid_alive(pid)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = {pid for pid in alive if _pid_alive(pid)}
+    return alive
+
+
 def _signal_pids(pids: list[int], grace: float = 3.0) -> None:
     """SIGTERM the processes, then SIGKILL whatever is left after `grace` seconds."""
     import psutil
@@ -111,6 +122,7 @@ class Cluster:
         self._run: RunHandle | None = None
         self._pids: set[int] = set()  # every process this cluster started (for shutdown checks)
         self._closed = False
+        self._quiet_stop = False  # whether shutdown may hide ipyparallel's INFO lines
 
     # -- starting and attaching
 
@@ -131,6 +143,7 @@ class Cluster:
         ipp_cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1", config=config, **kw)
         client = ipp_cluster.start_and_connect_sync()
         cluster = cls(ipp_cluster, client, device=device, owned=True, timeout=timeout)
+        cluster._quiet_stop = "log_level" not in kw and "log" not in kw
         try:
             cluster._bind(n)
         except BaseException:
@@ -302,27 +315,52 @@ class Cluster:
         self._infos = []
         self._bind(n)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, grace: float = 5.0) -> None:
         """Stop engines and controller (of a cluster this object started) and close the client.
 
-        Idempotent. Afterwards none of the processes the cluster started is left running.
+        Idempotent. Afterwards none of the processes the cluster started is left running. A
+        normal shutdown prints nothing; an engine that had failed (exited with an error, was
+        killed) or does not leave within `grace` seconds of being asked is still reported.
         """
         if self._closed:
             return
         self._closed = True
         pids = set(self.process_ids()) | self._pids
+        if not self._owned:
+            self._close_client()
+            return
+        log = self._ipp.log
+        if self._quiet_stop and log.name == f"ipyparallel.cluster.cluster.{self._ipp.cluster_id}":
+            # ipyparallel logs every step of a stop at INFO, to stdout in IPython; kept raised,
+            # as its stop callbacks run on its event loop after this returns. Warnings (an engine
+            # set that exited with an error, with its output) still show.
+            log.setLevel(max(log.getEffectiveLevel(), logging.WARNING))
+        host = socket.gethostname()
+        local = {info["pid"] for info in self._infos if info["host"] == host}
+        try:
+            registered = set(self.client.ids)
+            asked = [engine_id for engine_id in self.engine_ids if engine_id in registered]
+            if asked:
+                self.client[asked].apply_async(engine.exit_engine)
+        except Exception:  # noqa: BLE001 - engines that cannot be asked are signalled below
+            pass
+        # Ending the engines before the controller lets mpiexec exit by itself (status 0 when
+        # every engine left by exit_engine); hydra otherwise sits out ipyparallel's 5 s TERM
+        # grace period before it is killed.
+        stuck = _wait_pids(local, grace)
+        if stuck:
+            log.warning(f"engine processes {sorted(stuck)} did not exit within {grace:g} s of "
+                        "being asked (busy in MPI?): killing them")
+            _signal_pids(sorted(stuck))
+        self._close_client()
+        self._ipp.stop_cluster_sync()
+        _signal_pids([pid for pid in pids if _pid_alive(pid)])
+
+    def _close_client(self) -> None:
         try:
             self.client.close()
         except Exception:  # noqa: BLE001 - a half-closed client must not stop the shutdown
             pass
-        if not self._owned:
-            return
-        # Ending the engines first lets mpiexec exit by itself; hydra otherwise sits out
-        # ipyparallel's 5 s TERM grace period before it is killed.
-        host = socket.gethostname()
-        _signal_pids([info["pid"] for info in self._infos if info["host"] == host])
-        self._ipp.stop_cluster_sync()
-        _signal_pids([pid for pid in pids if _pid_alive(pid)])
 
     def __enter__(self) -> Cluster:
         return self

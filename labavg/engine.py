@@ -158,3 +158,16 @@ def request_stop(run_id: str) -> bool:
         return False
     run.stop_requested.set()
     return True
+
+
+def exit_engine(delay: float = 0.1) -> int:
+    """On an engine: leave the process with status 0 `delay` seconds from now; returns its pid.
+
+    ipengine (ipyparallel 9 on ipykernel 7) exits with status 1 and a traceback ("Event loop
+    stopped before Future completed") on SIGTERM and on a shutdown request alike, so mpiexec
+    fails and ipyparallel prints every engine's log as if the job had crashed. os._exit skips
+    MPI_Finalize, which could block on a rank still in a collective; hydra takes status 0
+    without it. The delay lets this call's reply go out first.
+    """
+    threading.Timer(delay, os._exit, (0,)).start()
+    return os.getpid()

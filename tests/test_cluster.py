@@ -6,8 +6,12 @@ restart, then shutdown. A tiny synthetic corpus keeps each run to about a second
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -210,11 +214,36 @@ def test_kill_recovers_engines_hung_in_a_collective(cluster, corpus, tmp_path):
     assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
 
 
-def test_shutdown_leaves_no_processes(cluster):
+def test_shutdown_of_engines_hung_in_mpi_says_so_and_leaves_no_processes(cluster, caplog):
+    # rank 0 blocks in a barrier rank 1 never enters: it cannot act on the request to exit
+    cluster.client[cluster.engine_ids[0]].execute("from mpi4py import MPI; MPI.COMM_WORLD.Barrier()",
+                                                  block=False)
+    time.sleep(0.5)
+    hung = cluster.info()[0]["pid"]
     pids = cluster.process_ids()
     assert len(pids) >= 4  # controller, mpiexec, 2 engines (plus schedulers, proxies, nannies)
-    cluster.shutdown()
+    with caplog.at_level(logging.WARNING):
+        cluster.shutdown(grace=2)
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in pids if alive(pid)] == []
+    said = [r.getMessage() for r in caplog.records if "did not exit" in r.getMessage()]
+    assert len(said) == 1 and f"[{hung}]" in said[0]
+
+
+def test_a_normal_shutdown_in_a_notebook_prints_nothing(corpus, tmp_path):
+    """As notebook 03 ends: after a run, shutdown() in an IPython kernel's running event loop."""
+    script = Path(__file__).parent / "cluster_scripts" / "notebook_shutdown.py"
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(corpus), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for stream in (proc.stdout, proc.stderr):
+        assert "=== end" in stream, stream[-3000:]
+        said = stream.split("=== shutdown\n", 1)[1].split("=== end", 1)[0]
+        # ipyparallel used to print the engines' logs (~6 KB, with tracebacks) and its stop steps
+        assert said == "", said[-3000:]
+    pids = json.loads((tmp_path / "pids.json").read_text())
+    assert len(pids) >= 4 and [pid for pid in pids if alive(pid)] == []

@@ -1,0 +1,106 @@
+"""`labavg info` on run directories and on directories of runs (the quick start's layout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from labavg.cli import main
+
+
+def _run(path: Path, ranks: int, finished: bool = True) -> Path:
+    """A run directory as labavg writes one: config.json, and summary.json once it has ended."""
+    path.mkdir(parents=True)
+    config = {"ranks": ranks, "average_every": 10, "optimizer": "ngsgd", "lr": 0.016,
+              "model": {"hidden_layers": 4, "hidden_dim": 512}}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "events.jsonl").write_text("")
+    if finished:
+        (path / "summary.json").write_text(json.dumps(
+            {"ranks": ranks, "average_every": 10, "optimizer": "ngsgd", "wall_seconds": 100.0 / ranks,
+             "cv_frame_accuracy": 0.5, "cv_loss": 1.5, "config": config}))
+        (path / "decode_test").mkdir()  # a run's own folders hold no runs
+        (path / "decode_test" / "result.json").write_text("{}")
+    return path
+
+
+def _info(capsys, *args) -> tuple[int, list[str], str]:
+    code = main(["info", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
+def _runs_in_table(lines: list[str]) -> list[str]:
+    return [line.split("|")[1].strip() for line in lines[2:]]
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch) -> Path:
+    """runs/ after the quick start (nested one level) beside a plain run and a sweep."""
+    monkeypatch.chdir(tmp_path)
+    _run(tmp_path / "runs" / "quickstart-20250101-120000" / "ranks1", 1)
+    _run(tmp_path / "runs" / "quickstart-20250101-120000" / "ranks2", 2)
+    _run(tmp_path / "runs" / "k10", 4)
+    for ranks in (1, 2, 16):
+        _run(tmp_path / "runs" / "sweep" / "runs" / f"seed_0-ranks_{ranks}", ranks)
+    _run(tmp_path / "runs" / "sweep" / "runs" / "seed_0-ranks_32", 32, finished=False)
+    (tmp_path / "runs" / "sweep" / "results.md").write_text("")
+    return Path("runs")
+
+
+def test_info_of_the_quick_starts_glob_lists_its_nested_runs(runs, capsys):
+    # what `labavg info runs/*` expands to
+    code, lines, err = _info(capsys, *sorted(runs.iterdir()))
+    assert code == 0, err
+    assert _runs_in_table(lines) == [
+        "runs/k10",
+        "runs/quickstart-20250101-120000/ranks1",
+        "runs/quickstart-20250101-120000/ranks2",
+        "runs/sweep/runs/seed_0-ranks_1",
+        "runs/sweep/runs/seed_0-ranks_2",
+        "runs/sweep/runs/seed_0-ranks_16",
+        "runs/sweep/runs/seed_0-ranks_32 (running/incomplete)",
+    ]
+    assert lines[0].startswith("| run | ranks |") and len(lines) == 2 + 7  # one table
+
+
+def test_info_of_a_directory_searches_it_and_a_run_is_listed_once(runs, capsys):
+    code, lines, _ = _info(capsys, runs / "sweep", runs / "sweep" / "runs" / "seed_0-ranks_2")
+    assert code == 0
+    assert _runs_in_table(lines)[:3] == ["runs/sweep/runs/seed_0-ranks_1",
+                                         "runs/sweep/runs/seed_0-ranks_2",
+                                         "runs/sweep/runs/seed_0-ranks_16"]
+    assert len(lines) == 2 + 4
+    # the unfinished run shows its settings and no results
+    assert lines[-1].split("|")[2:5] == [" 32 ", " 10 ", " ngsgd "] and "| - |" in lines[-1]
+
+
+def test_info_json_is_one_object_for_one_run_and_a_list_for_a_directory(runs, capsys):
+    code, lines, _ = _info(capsys, "--json", runs / "k10")
+    one = json.loads("\n".join(lines))
+    assert code == 0 and one["run"] == "runs/k10" and one["ranks"] == 4
+    code, lines, _ = _info(capsys, "--json", runs / "quickstart-20250101-120000")
+    many = json.loads("\n".join(lines))
+    assert code == 0 and [s["ranks"] for s in many] == [1, 2]
+    code, lines, _ = _info(capsys, "--json", runs / "sweep" / "runs" / "seed_0-ranks_32")
+    assert json.loads("\n".join(lines))["status"] == "running/incomplete"
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda root: (root / "empty" / "sub").mkdir(parents=True) or root / "empty", "no labavg run"),
+    (lambda root: root / "missing", "no such run or directory"),
+    (lambda root: (root / "notes.txt").write_text("x") and root / "notes.txt", "not a run directory"),
+])
+def test_info_of_a_path_holding_no_run_exits_2_naming_it(runs, capsys, make, says):
+    bad = make(runs)
+    code, lines, err = _info(capsys, runs / "k10", bad)
+    assert code == 2 and lines == []
+    assert err.splitlines() == [err.strip()] and str(bad) in err and says in err
+
+
+def test_info_names_a_broken_summary(runs, capsys):
+    (runs / "k10" / "summary.json").write_text("{")
+    code, _, err = _info(capsys, runs)
+    assert code == 2 and str(runs / "k10" / "summary.json") in err
