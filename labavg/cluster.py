@@ -36,6 +36,7 @@ from labavg import engine
 from labavg.engine import ALIVE
 from labavg.errors import UserError
 
+_ECHO_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05
 
 
@@ -390,6 +391,7 @@ class RunHandle:
         self.latencies: list[float] = []  # seconds from event creation on its engine to poll()
         self.gaps: list[tuple[int, int]] = []  # (rank, seq) of batches that never arrived
         self.error: RunError | None = None
+        self._error_is_echo, self._echo_since = False, 0.0
         self.killed = False
         # When one rank dies, MPICH takes the others down within about a collective; a fast
         # liveness sweep records who went first, so the error names the rank that died.
@@ -401,7 +403,11 @@ class RunHandle:
     @property
     def done(self) -> bool:
         """Whether every rank finished (or the run failed or was killed)."""
-        return self.error is not None or self.killed or all(f is not None for f in self._final)
+        if self.killed or all(f is not None for f in self._final):
+            return True
+        # An echo waits a little for the report of the rank that met the error.
+        return self.error is not None and (
+            not self._error_is_echo or time.monotonic() - self._echo_since > _ECHO_GRACE_SECONDS)
 
     def poll(self) -> list[dict[str, Any]]:
         """Events that arrived since the last poll, in order per rank (ranks one after another)."""
@@ -459,7 +465,12 @@ class RunHandle:
             events += batch["events"]
             if batch["final"] is not None:
                 self._final[rank] = batch["final"]
-                if batch["final"]["status"] == "failed" and self.error is None:
+                # A rank that only echoes another's start-up error (PeerFailed) is not the one
+                # to name: the rank that met the error replaces it when its report arrives.
+                echo = batch["final"].get("error", "").startswith("PeerFailed")
+                if batch["final"]["status"] == "failed" and (
+                        self.error is None or (self._error_is_echo and not echo)):
+                    self._error_is_echo, self._echo_since = echo, time.monotonic()
                     self.error = RunError(
                         f"rank {rank} raised {batch['final']['error']}{self._at_step(rank)}",
                         rank, self._last_step[rank], batch["final"]["traceback"])
@@ -492,6 +503,7 @@ class RunHandle:
             info = self._infos[dead]
             self.error = RunError(f"rank {dead} died (engine {info['engine_id']}, pid {info['pid']} "
                                   f"is gone){self._at_step(dead)}", dead, self._last_step[dead])
+            self._error_is_echo = False
             return
         registered = set(self._cluster.client.ids)
         now = time.monotonic()
@@ -514,6 +526,7 @@ class RunHandle:
             if reason is not None:
                 self.error = RunError(f"rank {rank} {reason}{self._at_step(rank)}", rank,
                                       self._last_step[rank])
+                self._error_is_echo = False
                 return
 
     def events(self, timeout: float | None = None, *,

@@ -1,8 +1,9 @@
 """Reproducing Su & Chen (2015): the regime map and the paper's comparisons, in REPRODUCTION.md.
 
 `labavg reproduce` runs the sweep files of `experiments/` (paper.toml: the paper's comparisons,
-decoded; regime.toml: the regime map; yesno.toml: the real Kaldi recipe, when given), measures
-1 vs 2 MPI ranks on this machine, and writes the report and its figure. Every step is
+decoded; regime.toml: the regime map; explain.toml: the experiments behind each disagreement;
+yesno.toml: the real Kaldi recipe, when given), measures 1 vs 2 MPI ranks on this machine, and
+writes the report, its figure and a results file the notebooks read. Every step is
 resumable: finished runs are kept, so running it again only adds what is missing.
 
 Verdicts come from seeds, not from the sign of one difference: for each comparison the
@@ -876,6 +877,17 @@ def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int) 
         raise UserError(f"sweeps failed: {', '.join(failed)}")
 
 
+def _load_in(file: Path, cwd: Path):
+    """A sweep file whose paths are relative to `cwd` (the yesno recipe)."""
+    import contextlib
+
+    from labavg.sweep import load_sweep
+
+    file = file.resolve()
+    with contextlib.chdir(cwd):
+        return load_sweep(file)
+
+
 def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,
               report: Path = Path("REPRODUCTION.md"), figure: Path | None = None,
               parallel: int = 2, mpi: bool = True, results: Path | None = None,
@@ -901,6 +913,10 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     if exp.explain.is_file():
         jobs.append(("explain", exp.explain, out / "explain", None))
     if train:
+        from labavg.sweep import make_corpora
+
+        for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
+            make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
         _run_sweeps(jobs, parallel)
         if mpi:
             measure_mpi(exp.paper, out / "mpi")
