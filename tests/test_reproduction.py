@@ -26,7 +26,7 @@ from test_train import PYTHON
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _cli(*args, env_extra=None, timeout=1200) -> subprocess.CompletedProcess:
+def _cli(*args, env_extra=None, timeout=2400) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-m", "labavg", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env_extra or {})})
 
@@ -81,6 +81,7 @@ def test_every_comparison_of_the_paper_has_its_points_in_experiments_paper_toml(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)
 def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     """`labavg reproduce` end to end: sweeps, decoding, MPI timing, report, figure; resumable."""
     out, report, figure = tmp_path / "runs", tmp_path / "R.md", tmp_path / "fig" / "map.png"
