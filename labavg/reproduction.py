@@ -378,36 +378,40 @@ def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
 
 @dataclass(frozen=True)
 class Probe:
-    """An experiment that explains a disagreement: rows (label, sweep, settings), each set of
-    runs compared, seed by seed, with the first row."""
+    """An experiment that explains a disagreement: rows (label, sweep, settings, the label of
+    the row it is compared with seed by seed, or None)."""
 
     title: str
     question: str
-    rows: tuple[tuple[str, str, dict[str, Any]], ...]
+    rows: tuple[tuple[str, str, dict[str, Any], str | None], ...]
 
 
 PROBES = (
     Probe("Does RBM pretraining help at this scale at all, and are 32 workers' RBMs under-trained?",
           "RBM pretraining against random initialisation at 1 worker, and at 32 workers with 1 and "
           "4 epochs of CD-1 per layer (pretrain_dbn.sh: rbm_iter = 1, for 300 h).",
-          (("1 worker, random init", "paper", {"ranks": 1, "pretrain": "none"}),
-           ("1 worker, RBM (1 epoch)", "explain", {"ranks": 1, "pretrain": "rbm"}),
-           ("32 workers, random init", "paper", {"ranks": 32, "pretrain": "none"}),
-           ("32 workers, RBM (1 epoch)", "paper", {"ranks": 32, "pretrain": "rbm"}),
-           ("32 workers, RBM (4 epochs)", "explain", {"ranks": 32, "pretrain": "rbm", "rbm.epochs": 4}))),
+          (("1 worker, random init", "paper", {"ranks": 1, "pretrain": "none"}, None),
+           ("1 worker, RBM (1 epoch)", "explain", {"ranks": 1, "pretrain": "rbm"},
+            "1 worker, random init"),
+           ("32 workers, random init", "paper", {"ranks": 32, "pretrain": "none"}, None),
+           ("32 workers, RBM (1 epoch)", "paper", {"ranks": 32, "pretrain": "rbm", "rbm.epochs": 1},
+            "32 workers, random init"),
+           ("32 workers, RBM (4 epochs)", "explain", {"ranks": 32, "pretrain": "rbm", "rbm.epochs": 4},
+            "32 workers, random init"))),
     Probe("Is it the exponential schedule's end point that Newbob beats?",
           "16 workers: the exponential schedule to 0.01 x lr (the paper's), the same to 0.1 x lr, "
           "and Newbob.",
-          (("exponential to 0.01 x lr", "paper", {"ranks": 16, "schedule": "exponential", "final_lr": None}),
-           ("exponential to 0.1 x lr", "explain", {"ranks": 16, "schedule": "exponential", "final_lr": 0.0008}),
-           ("Newbob", "paper", {"ranks": 16, "schedule": "newbob"}))),
+          (("exponential to 0.01 x lr", "paper", {"ranks": 16, "schedule": "exponential", "final_lr": None}, None),
+           ("exponential to 0.1 x lr", "explain", {"ranks": 16, "schedule": "exponential", "final_lr": 0.0008},
+            "exponential to 0.01 x lr"),
+           ("Newbob", "paper", {"ranks": 16, "schedule": "newbob"}, "exponential to 0.01 x lr"))),
     Probe("Is max-change what holds many workers back?",
           "16 workers with Kaldi's per-frame max-change (the default) and without it (the "
           "whole-model limit stays), against 1 worker.",
-          (("1 worker", "paper", {"ranks": 1}),
-           ("16 workers, max-change", "paper", {"ranks": 16, "max_change_per_sample": None}),
+          (("1 worker", "paper", {"ranks": 1}, None),
+           ("16 workers, max-change", "paper", {"ranks": 16, "max_change_per_sample": None}, "1 worker"),
            ("16 workers, no per-frame max-change", "explain",
-            {"ranks": 16, "max_change_per_sample": 0.0}))),
+            {"ranks": 16, "max_change_per_sample": 0.0}, "1 worker"))),
 )
 
 
@@ -420,22 +424,20 @@ def _trace_stat(runs: dict[int, Run], key: str) -> float | None:
 def probe_section(runs: dict[str, list[Run]], base: dict[str, Any], probe: Probe) -> list[str]:
     """One explaining experiment: each row's WER and accuracy, and its paired difference."""
     out = [f"### {probe.title}", "", probe.question, "",
-           "| setting | seeds | WER % (mean ± sd) | WER vs first row, points [95 % CI] | "
-           "CV frame acc % | updates cut by max-change | final lr |", "|---|---|---|---|---|---|---|"]
-    first = None
-    for label, sweep, want in probe.rows:
+           "| setting | seeds | WER % (mean ± sd) | WER difference, points [95 % CI] | "
+           "CV frame acc % | updates cut by max-change | final effective lr |",
+           "|---|---|---|---|---|---|---|"]
+    found: dict[str, dict[int, Run]] = {}
+    for label, sweep, want, against in probe.rows:
         fixed = {**{k: v for k, v in base.items() if k not in want}, **want}
         here = select(runs.get(sweep, []), **{k.replace(".", "__"): v for k, v in fixed.items()})
-        if first is None:
-            first, diff = here, "-"
-        else:
-            diff = _interval(spread(paired(first, here, "wer")))
+        found[label] = here
+        diff = "-" if against is None else f"{_interval(spread(paired(found[against], here, 'wer')))} vs {against}"
         cut = _trace_stat(here, "max_change_limited")
         lrs = [r.summary.get("trace", {}).get("epochs", [{}])[-1].get("lr") for r in here.values()
                if r.summary.get("trace", {}).get("epochs")]
         out.append(f"| {label} | {_seeds(here)} | {_mean_sd(_stat(here, 'wer'))} | {diff} | "
-                   f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | "
-                   f"{'-' if cut is None else f'{100 * cut:.0f} %'} | "
+                   f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | {_percent(cut)} | "
                    f"{'-' if not lrs else f'{statistics.fmean(lrs):.2g}'} |")
     return out
 
