@@ -27,8 +27,8 @@ from dashboard.settings import RunSettings, new_run_dir
 from labavg.config import TrainConfig, to_dict
 from labavg.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 from labavg.errors import UserError, one_line, user_error_of
-from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, effective_k, find_baseline,
-                          training_throughput)
+from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, effective_k,
+                          find_throughput_baseline, training_throughput)
 
 POINTS_PER_CURVE = 5000
 # Ranks the cost model predicts a speedup for, beside the run's own.
@@ -184,7 +184,8 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
     """The run's throughput against its 1-rank baseline, and the cost model's speedups.
 
     Speedup = frames/s of this run (all ranks) / frames/s of the baseline, both over training
-    time (compute + averaging). The prediction takes the compute time per minibatch from the
+    time (compute + averaging); the baseline may differ in K, learning rate, schedule and
+    epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The prediction takes the compute time per minibatch from the
     baseline (one rank alone on the machine) when there is one, else from this run; each
     averaging round costs this run's measured local overhead plus an allreduce on the network.
     """
@@ -199,8 +200,8 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
     if baseline is None:
         note = ("This 1-rank run is the baseline: runs of this model and data with more ranks "
                 "(any K) will be measured against it." if ranks == 1 else
-                "No speedup yet: no finished 1-rank run of this model and data in the runs "
-                "directory. Run it once with ranks = 1 (same settings, any K) to measure one.")
+                "No speedup yet: no finished 1-rank run of this model, data, minibatch and "
+                "optimizer in the runs directory. Run one with ranks = 1 (any K) to measure it.")
     elif fps is None:
         note = "Measuring: the first averaging round gives the run's frames/s."
     own = buffers.measured_costs(minibatch)
@@ -276,7 +277,7 @@ class LiveRun(param.Parameterized):
             return False
         backend = settings.backend
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
-        self.baseline = find_baseline(out, self.config)
+        self.baseline = find_throughput_baseline(out, self.config)
         launcher = "threads" if backend == "in-process workers" else "engines"
         self._thread = threading.Thread(target=self._drive, args=(cfg, launcher), daemon=True,
                                         name="labavg-dashboard-run")
@@ -373,7 +374,7 @@ class LiveRun(param.Parameterized):
             except (OSError, json.JSONDecodeError):
                 return  # rank 0 writes config.json with its first event; keep waiting
             self.buffers = RunBuffers(int(config.get("ranks", 1)), self.maxlen)
-            self.baseline = find_baseline(run_dir, config)
+            self.baseline = find_throughput_baseline(run_dir, config)
             self.config = config
             self.generation += 1
             self.status = f"Following {run_dir}…"

@@ -176,6 +176,33 @@ def find_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | Non
     return found[-1] if found else None
 
 
+# What changes what a run learns or for how long, but not what a frame costs to train: a
+# throughput compares across them (a wall-time speedup does not: more epochs take longer).
+SCHEDULE_KEYS = ("lr", "final_lr", "lr_scaling", "schedule", "epochs", "seed", "newbob",
+                 "decode_data")
+
+
+def throughput_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without what leaves the cost of a frame alone: equal for runs whose
+    frames per second compare (same model, data, minibatch, optimizer)."""
+    return {k: v for k, v in comparable_config(cfg).items() if k not in SCHEDULE_KEYS}
+
+
+def find_throughput_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """Summary of the finished 1-rank run beside `run_dir` whose frames per second the run's
+    compare with: `find_baseline`'s when there is one, else the latest of the same model,
+    data, minibatch and optimizer (any K, learning rate, schedule or number of epochs)."""
+    same = find_baseline(run_dir, config)
+    if same is not None:
+        return same
+    want = throughput_config(config)
+    here = Path(run_dir).resolve()
+    found = [r.summary for r in list_runs(here.parent)
+             if r.path.resolve() != here and _is_baseline(r.config, r.summary)
+             and throughput_config(r.summary.get("config", r.config)) == want]
+    return found[-1] if found else None
+
+
 def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
     """Give finished rows without a speedup one from a 1-rank run of the same configuration.
 
