@@ -25,7 +25,7 @@ from dashboard.live import POINTS_PER_CURVE, PREDICTED_RANKS, PREDICTION_NETWORK
 from dashboard.runs_table import TABLE_COLUMNS, TABLE_TITLES, RunTable
 from dashboard.settings import GENERAL, RunSettings, describe_config
 
-PLOT_HEIGHT = 225
+PLOT_HEIGHT = 215
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
 _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
@@ -39,9 +39,15 @@ def load_backend() -> None:
     hv.Store.set_current_backend("bokeh")
 
 
+# Legends small enough to leave a third-of-the-page plot mostly visible.
+_LEGEND = {"label_text_font_size": "8pt", "glyph_height": 12, "glyph_width": 16, "spacing": 0,
+           "padding": 4, "margin": 4, "background_fill_alpha": 0.7}
+
+
 def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, Any]:
     return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
-                show_grid=True, toolbar="above", **{"framewise": False, **extra})
+                show_grid=True, toolbar="above", legend_opts=_LEGEND,
+                **{"framewise": False, **extra})
 
 
 def count_axis() -> dict[str, Any]:
@@ -52,8 +58,9 @@ def count_axis() -> dict[str, Any]:
 
 
 def frames_axis() -> dict[str, Any]:
-    """x-axis options for frame counts: 500k, 1.2m."""
-    return dict(xformatter=NumeralTickFormatter(format="0.[0]a"))
+    """x-axis options for frame counts: 500k, 1.2m, from 0 (one CV point alone would get a
+    range of a few frames, ticked 6.1k 6.1k 6.1k)."""
+    return dict(xformatter=NumeralTickFormatter(format="0.[0]a"), xlim=(0, None))
 
 
 ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
@@ -137,7 +144,7 @@ class StreamedCurves:
             figure.y_range.update(start=y0 - pad, end=y1 + pad)
 
 
-SPEEDUP_TICKS = (0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 
 
 class SpeedupPlot:
@@ -164,10 +171,10 @@ class SpeedupPlot:
                                                      hooks=[self._capture])
         ticks = FixedTicker(ticks=list(SPEEDUP_TICKS))
         self.element = (ideal * predicted * predicted_points * measured).opts(
-            **_plot_opts("Speedup vs 1 rank", "ranks", "speedup (x faster than 1 rank)",
-                         legend_position="top_left", logx=True, logy=True,
-                         xlim=(0.9, 70), ylim=(0.2, 70), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
-                         yticks=ticks, yformatter=NumeralTickFormatter(format="0.[00]")))
+            **_plot_opts("Speedup vs 1 rank", "ranks", "speedup (×)",
+                         legend_position="bottom_right", logx=True, logy=True,
+                         xlim=(0.9, 70), ylim=(0.1, 80), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
+                         yticks=ticks, yformatter=NumeralTickFormatter(format="0.[000]")))
 
     def _capture(self, plot, element) -> None:
         column = element.vdims[0].name
@@ -263,7 +270,7 @@ class LivePlots(pn.viewable.Viewer):
         self.loss = StreamedCurves("step", rank_curves("loss", ranks), self.maxlen, "Training loss per rank",
                                    "step (minibatches)", "loss (nats/frame)", legend, **count_axis())
         self.divergence = StreamedCurves("round", rank_curves("div", ranks), self.maxlen,
-                                         "Parameter divergence before averaging", "averaging round",
+                                         "Divergence per rank", "averaging round",
                                          "relative RMS distance", legend, **count_axis())
         self.times = StreamedCurves(
             "round", [("compute_s", "compute", {"color": "#1f77b4"}), ("comm_s", "communication", {"color": "#d62728"})],
@@ -286,7 +293,7 @@ class LivePlots(pn.viewable.Viewer):
                     * points.opts(color="#9467bd", size=7, framewise=True)
                     * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
                 **_plot_opts("Frame accuracy", "epoch", "frame accuracy (%)", framewise=True,
-                             legend_position="bottom_right", ylim=ACCURACY_RANGE,
+                             legend_position="top_left", ylim=ACCURACY_RANGE,
                              xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
 
         for name in ("loss", "divergence", "times", "fps", "speedup"):
@@ -399,11 +406,11 @@ def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
     return (
         hv.Overlay(losses).opts(**_plot_opts("Mean training loss", x, "loss (nats/frame)",
                                              legend_position="top_right", **frames_axis()))
-        + hv.Overlay(divs).opts(**_plot_opts("Divergence before averaging (mean of ranks)", x,
+        + hv.Overlay(divs).opts(**_plot_opts("Divergence (mean of ranks)", x,
                                              "relative RMS distance", legend_position="top_right",
                                              **frames_axis()))
         + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy", x, "frame accuracy (%)",
-                                             legend_position="bottom_right", ylim=ACCURACY_RANGE,
+                                             legend_position="top_left", ylim=ACCURACY_RANGE,
                                              **frames_axis()))
     ).opts(shared_axes=False).cols(3)
 
@@ -417,6 +424,11 @@ TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_ac
                  "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
                  "comm_pct": "0.0"}
 NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
+# Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
+# sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
+TABLE_WIDTHS = {"run": 182, "ranks": 78, "K": 50, "lr": 64, "wer_pct": 90, "per_pct": 90,
+                "cv_acc_pct": 112, "cv_loss": 96, "speedup": 112, "efficiency": 116, "status": 96}
+_TABLE_MAX_HEIGHT = 250
 
 
 def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
@@ -439,7 +451,7 @@ class RunsView(pn.viewable.Viewer):
         self.tabulator = pn.widgets.Tabulator(
             table_frame([]), selectable="checkbox", disabled=True,
             show_index=False, sizing_mode="stretch_width", height=250, layout="fit_data_table",
-            titles=TABLE_TITLES, formatters=formatters, frozen_columns=["run"],
+            titles=TABLE_TITLES, formatters=formatters, frozen_columns=["run"], widths=TABLE_WIDTHS,
         )
         self.tabulator.param.watch(self._on_select, "selection")
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",
@@ -482,6 +494,8 @@ class RunsView(pn.viewable.Viewer):
         rows = self.table.refresh()
         frame = table_frame(rows)
         self.tabulator.value = frame
+        # As tall as its rows, so that the overlay below starts on screen.
+        self.tabulator.height = min(_TABLE_MAX_HEIGHT, 64 + 32 * len(frame))
         names = frame["run"].tolist()
         self.tabulator.selection = [names.index(n) for n in selected if n in names]
         points = self.table.scaling()
@@ -502,6 +516,8 @@ class RunsView(pn.viewable.Viewer):
 SETTINGS_ORDER = ("backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
                   "pretrain", "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
 _ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
+# Markdown's paragraph margins would leave a blank line under every message.
+_ERROR_SHEET = ["p { margin: 0; }"]
 
 
 class SettingsPanel(pn.viewable.Viewer):
@@ -538,7 +554,8 @@ def settings_panel(settings: RunSettings) -> pn.Column:
         widgets[name].param.watch(lambda e, name=name: setattr(settings, name, e.new), "value_input")
     messages = {name: pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
                                        margin=(0, 8, 4, 8), styles=_ERROR_STYLE,
-                                       css_classes=["labavg-error"], name=f"error-{name}")
+                                       stylesheets=_ERROR_SHEET, css_classes=["labavg-error"],
+                                       name=f"error-{name}")
                 for name in names}
 
     def show(errors: dict[str, str]) -> None:
@@ -575,7 +592,8 @@ class RunControls(pn.viewable.Viewer):
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))
         self.live.param.watch(self._on_running, "running")
         self.problem = pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
-                                        margin=(0, 8), styles=_ERROR_STYLE, css_classes=["labavg-error"])
+                                        margin=(0, 8), styles=_ERROR_STYLE, stylesheets=_ERROR_SHEET,
+                                        css_classes=["labavg-error"])
         self.settings.param.watch(lambda _: self._enable(), "errors")
         self._enable()
         self.status = pn.pane.Markdown(self._text(), sizing_mode="stretch_width", margin=(0, 10),

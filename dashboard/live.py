@@ -185,9 +185,9 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
 
     Speedup = frames/s of this run (all ranks) / frames/s of the baseline, both over training
     time (compute + averaging); the baseline may differ in K, learning rate, schedule and
-    epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The prediction takes the compute time per minibatch from the
-    baseline (one rank alone on the machine) when there is one, else from this run; each
-    averaging round costs this run's measured local overhead plus an allreduce on the network.
+    epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The
+    prediction (`labavg.costmodel.predict`, one rank per machine on PREDICTION_NETWORK) uses
+    the baseline's measured costs when there is one, else this run's.
     """
     ranks = int(config.get("ranks", buffers.ranks) or 1)
     minibatch = int(config.get("minibatch") or 1)
@@ -204,8 +204,9 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
                 "optimizer in the runs directory. Run one with ranks = 1 (any K) to measure it.")
     elif fps is None:
         note = "Measuring: the first averaging round gives the run's frames/s."
-    own = buffers.measured_costs(minibatch)
-    measured, source = own, "this run"
+    # The baseline's costs when there is one: one rank alone on the machine, so neither its
+    # compute nor its per-round overhead includes waiting for ranks that share the cores.
+    measured, source = buffers.measured_costs(minibatch), "this run"
     if baseline is not None:
         try:
             measured, source = from_summary(baseline), f"1-rank run {base_name}"
@@ -213,9 +214,8 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
             pass
     predicted: list[tuple[int, float]] = []
     if measured is not None and k:
-        local = own.allreduce_s if own is not None and ranks > 1 else measured.allreduce_s
         predicted = [(p.ranks, p.speedup) for p in predict(
-            measured, PREDICTED_RANKS, Ks=(k,), network=PREDICTION_NETWORK, local_overhead_s=local)]
+            measured, PREDICTED_RANKS, Ks=(k,), network=PREDICTION_NETWORK)]
     return Speedup(ranks=ranks, K=k, frames_per_second=fps, baseline_frames_per_second=base_fps,
                    baseline_name=base_name, speedup=speedup,
                    efficiency=speedup / ranks if speedup is not None else None,

@@ -15,8 +15,8 @@ from labavg.index import EVENTS, differing_labels, fill_speedups, list_runs, rea
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
-TABLE_COLUMNS = ("run", "status", "ranks", "K", "optimizer", "lr", "model", "wer_pct", "per_pct",
-                 "cv_acc_pct", "cv_loss", "speedup", "efficiency", "wall_s", "comm_pct", "backend",
+TABLE_COLUMNS = ("run", "ranks", "K", "lr", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss", "speedup",
+                 "efficiency", "status", "optimizer", "model", "wall_s", "comm_pct", "backend",
                  "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
                 "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency"}

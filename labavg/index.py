@@ -242,7 +242,8 @@ def _setting_text(key: str, value: Any) -> str:
     number = f"{value:g}" if isinstance(value, float) else str(value)
     named = {"ranks": f"n{value}", "K": f"K={value}", "lr": f"lr {number}",
              "final_lr": f"final lr {number}" if value is not None else "final lr 0.01 x lr",
-             "model": str(value), "minibatch": f"minibatch {value}", "epochs": f"{value} epochs",
+             "model": str(value), "minibatch": f"minibatch {value}",
+             "epochs": f"{value} epoch{'' if value == 1 else 's'}",
              "optimizer": str(value), "schedule": str(value), "pretrain": f"pretrain {value}",
              "backend": str(value), "seed": f"seed {value}",
              "data.data": Path(str(value)).name}

@@ -216,8 +216,16 @@ def _start(page) -> str:
                      60, "the new run on screen")
 
 
+def _status(page) -> str:
+    found = page.locator("p", has_text="On screen:")
+    return found.first.inner_text() if found.count() else ""
+
+
 def _finish(page, name: str, ranks: int) -> dict[str, int]:
-    _wait_for(lambda: page.get_by_text(f"Finished: {name}").count() > 0, 240, f"{name} to finish")
+    try:
+        _wait_for(lambda: page.get_by_text(f"Finished: {name}").count() > 0, 240, f"{name} to finish")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the status says: {_status(page)}") from None
     # The loss plot holds points for every rank of the run, and for no other rank.
     return _wait_for(
         lambda: (lambda c: c if len(c) == ranks and min(c.values()) > 0 else None)(page.evaluate(LOSS_POINTS_JS)),
@@ -297,14 +305,13 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     # Run 3: 2 ranks with another K; measured against run 2 while it trains.
     _set_number(page, "ranks", 2)
     _set_number(page, "K (average every)", 7)
-    _set_number(page, "epochs", 3)
+    _set_number(page, "epochs", 5)  # long enough to be seen while it trains
     third = _start(page)
     speedup = page.get_by_text(re.compile(r"Speedup \d+\.\d\d×, efficiency \d+ %"))
     _wait_for(lambda: speedup.count() > 0, 120, "the live speedup")
-    if page.get_by_text(f"Finished: {third}").count() == 0:
-        page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"))
+    page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"))  # while it trains, mostly
     _finish(page, third, ranks=2)
-    line = speedup.first.inner_text()
+    line = page.locator("p", has=speedup.first).first.inner_text()
     assert f"1-rank run {second}" in line and "K ignored" in line, line
     value = float(re.search(r"Speedup (\d+\.\d\d)×", line).group(1))
     data = page.evaluate(SPEEDUP_JS)
@@ -324,19 +331,21 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     cells = " ".join(texts)
     assert "NaN" not in cells and "null" not in cells, cells
     assert not re.search(r"\d\.\d{6,}", cells), cells
+    page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
     table = page.locator(".tabulator").first.bounding_box()
     for title in ("WER %", "PER %", "CV acc %", "speedup"):
         header = page.locator(".tabulator-col", has_text=title).first.bounding_box()
         assert header["x"] + header["width"] <= min(1366, table["x"] + table["width"]) + 1, title
-    page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
 
-    # Overlay runs 1 and 3: the legends name what differs (K), not when they ran.
+    # Overlay runs 1 and 3: the legends name what differs (K and epochs), not when they ran.
     for i, t in enumerate(texts):
         if first in t or third in t:
-            rows.nth(i).locator(".tabulator-cell").first.click()
-    wanted = {"K=3", "K=7"}
+            rows.nth(i).locator("input[type=checkbox]").first.click()
+    wanted = {"K=3 1 epoch", "K=7 5 epochs"}
     _wait_for(lambda: wanted <= set(page.evaluate(LEGENDS_JS)), 60, f"legends {wanted}")
-    page.get_by_text("Divergence before averaging").first.scroll_into_view_if_needed()
+    page.mouse.move(850, 500)
+    page.mouse.wheel(0, 400)  # the plots are drawn on canvases: no text to scroll to
+    time.sleep(1)
     page.screenshot(path=str(ARTIFACTS / "dashboard-overlay.png"))
     run_dirs = sorted(p.name for p in runs.iterdir())
     assert len(run_dirs) == 3 and all((runs / d / "summary.json").is_file() for d in run_dirs)
