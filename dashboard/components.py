@@ -18,10 +18,15 @@ import numpy as np
 import pandas as pd
 import panel as pn
 import param
-
 from bokeh.models import BasicTicker, FixedTicker, NumberFormatter, NumeralTickFormatter
 
-from dashboard.live import POINTS_PER_CURVE, PREDICTED_RANKS, PREDICTION_NETWORK, LiveRun, Speedup
+from dashboard.live import (
+    POINTS_PER_CURVE,
+    PREDICTED_RANKS,
+    PREDICTION_NETWORK,
+    LiveRun,
+    Speedup,
+)
 from dashboard.runs_table import TABLE_COLUMNS, TABLE_TITLES, RunTable
 from dashboard.settings import GENERAL, RunSettings, describe_config
 
@@ -53,14 +58,14 @@ def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, 
 def count_axis() -> dict[str, Any]:
     """x-axis options for counts (steps, rounds, epochs): ticks on whole numbers only, and
     thousands as 12,000 (bokeh's default turns them into colliding 1.000e+4 labels)."""
-    return dict(xticks=BasicTicker(min_interval=1, num_minor_ticks=0),
-                xformatter=NumeralTickFormatter(format="0,0"))
+    return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0),
+            "xformatter": NumeralTickFormatter(format="0,0")}
 
 
 def frames_axis() -> dict[str, Any]:
     """x-axis options for frame counts: 500k, 1.2m, from 0 (one CV point alone would get a
     range of a few frames, ticked 6.1k 6.1k 6.1k)."""
-    return dict(xformatter=NumeralTickFormatter(format="0.[0]a"), xlim=(0, None))
+    return {"xformatter": NumeralTickFormatter(format="0.[0]a"), "xlim": (0, None)}
 
 
 ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
@@ -203,7 +208,7 @@ def speedup_text(speedup: Speedup, summary: dict[str, Any] | None = None) -> str
         head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
                 f"— {speedup.ranks} ranks: {speedup.frames_per_second:,.0f} frames/s; 1-rank run "
                 f"`{speedup.baseline_name}`: {speedup.baseline_frames_per_second:,.0f} frames/s "
-                "(training time, K ignored).")
+                "(over training time; its K, lr and epochs may differ).")
     elif speedup.note:
         head = f"**Speedup: -** {speedup.note}"
     else:
@@ -366,7 +371,7 @@ def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
     frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run"])
     top = max([2, *frame["ranks"].tolist()])
     xs = list(range(1, top + 1))
-    ranks_axis = dict(xticks=BasicTicker(min_interval=1, num_minor_ticks=0), xlim=(0.5, top + 0.5))
+    ranks_axis = {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0), "xlim": (0.5, top + 0.5)}
     ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(color="gray", line_dash="dashed")
     speedup = hv.Scatter(frame, "ranks", ["speedup", "K", "run"], label="runs").opts(
         size=9, color="#1f77b4", tools=["hover"])

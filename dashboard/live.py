@@ -27,8 +27,15 @@ from dashboard.settings import RunSettings, new_run_dir
 from labavg.config import TrainConfig, to_dict
 from labavg.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 from labavg.errors import UserError, one_line, user_error_of
-from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, effective_k,
-                          find_throughput_baseline, training_throughput)
+from labavg.index import (
+    CONFIG,
+    EVENTS,
+    SUMMARY,
+    EventTail,
+    effective_k,
+    find_throughput_baseline,
+    training_throughput,
+)
 
 POINTS_PER_CURVE = 5000
 # Ranks the cost model predicts a speedup for, beside the run's own.

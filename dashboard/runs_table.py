@@ -10,8 +10,14 @@ from typing import Any
 import numpy as np
 import param
 
-from labavg.index import EVENTS, differing_labels, fill_speedups, list_runs, read_events, run_row
-
+from labavg.index import (
+    EVENTS,
+    differing_labels,
+    fill_speedups,
+    list_runs,
+    read_events,
+    run_row,
+)
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.

@@ -16,8 +16,16 @@ from typing import Any
 
 import param
 
-from labavg.config import (PRESETS, TrainConfig, _field_types, check_directory, check_setting,
-                           setting_field, validate, with_overrides)
+from labavg.config import (
+    PRESETS,
+    TrainConfig,
+    _field_types,
+    check_directory,
+    check_setting,
+    setting_field,
+    validate,
+    with_overrides,
+)
 from labavg.data.dataset import check_data_source
 from labavg.errors import UserError
 from labavg.index import effective_k

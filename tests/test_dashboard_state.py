@@ -18,11 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dashboard.live import LiveRun, RankSeries, RunBuffers
 from dashboard.runs_table import RunTable
-from dashboard.settings import BACKEND_LABELS, CONTROLS, GENERAL, RunSettings, describe_config
+from dashboard.settings import (
+    BACKEND_LABELS,
+    CONTROLS,
+    GENERAL,
+    RunSettings,
+    describe_config,
+)
 from dashboard.settings import _default as _setting_default
 from labavg.config import TrainConfig, preset_config, validate, with_overrides
-from labavg.index import EventTail, training_throughput
 from labavg.errors import UserError
+from labavg.index import EventTail, training_throughput
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +177,7 @@ def test_to_config_maps_every_control(corpus, tmp_path):
 
 
 def test_live_run_fills_every_ranks_buffers(finished_runs):
-    runs, (one, three) = finished_runs
+    _, (_, three) = finished_runs
     buffers = three.buffers
     assert buffers.ranks == 3
     steps = buffers.finished["step"]
@@ -191,7 +197,7 @@ def test_live_run_fills_every_ranks_buffers(finished_runs):
 
 
 def test_live_speedup_is_throughput_against_the_1_rank_run_of_any_k(finished_runs):
-    runs, (one, three) = finished_runs
+    _, (one, three) = finished_runs
     first = one.speedup()
     assert first.speedup is None and first.note.startswith("This 1-rank run is the baseline")
     assert first.predicted_from == "this run" and first.predicted[0] == (1, 1.0)
@@ -219,7 +225,7 @@ def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, cor
 
     from dashboard.components import LivePlots
 
-    runs, (_, three) = finished_runs
+    _, (_, three) = finished_runs
     live = LiveRun()
     plots = LivePlots(live)
     live.follow(three.run_dir)
@@ -304,7 +310,7 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
 
 
 def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_path):
-    runs, (_, three) = finished_runs
+    _, (_, three) = finished_runs
     source = Path(three.run_dir)
     lines = (source / "events.jsonl").read_bytes().splitlines(keepends=True)
     target = tmp_path / "followed"
@@ -369,7 +375,7 @@ def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     pytest.importorskip("holoviews")
     from dashboard.components import LivePlots
 
-    runs, (_, three) = finished_runs
+    _, (_, three) = finished_runs
     live = LiveRun(maxlen=10)
     live.follow(three.run_dir)
     plots = LivePlots(live, maxlen=10)
@@ -429,3 +435,22 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
     from labavg.runs import format_table
 
     assert "| 1 | 4 |" in format_table([{"run": "r", **live.summary}])
+
+
+def test_mpi_engines_say_they_are_starting_until_they_train(corpus, tmp_path):
+    pytest.importorskip("ipyparallel", reason="the MPI-engines backend needs ipyparallel")
+    pytest.importorskip("mpi4py")
+    live = LiveRun()
+    assert live.start(tiny_settings(corpus, tmp_path, backend="MPI engines")), live.status
+    assert live.status.startswith("Starting 2 MPI engines for ") and "the plots fill" in live.status
+    seen = {live.status.split(" ")[0]}
+    deadline = time.monotonic() + 300
+    while live.running:
+        assert time.monotonic() < deadline, live.status
+        live.drain()
+        seen.add(live.status.split(" ")[0])
+        time.sleep(0.05)
+    live.drain()
+    # Until the first step arrives the page says the engines are starting, then what runs.
+    assert live.status.startswith("Finished:"), live.status
+    assert {"Starting", "Finished:"} <= seen and live.summary["ranks"] == 2

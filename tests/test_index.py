@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from labavg.config import TrainConfig, to_dict, with_overrides
-from labavg.index import (differing_labels, find_baseline, find_throughput_baseline,
-                          training_throughput)
+from labavg.index import (
+    differing_labels,
+    find_baseline,
+    find_throughput_baseline,
+    training_throughput,
+)
 
 
 def _run(root: Path, name: str, finished: bool = True, **overrides) -> dict:
