@@ -1,7 +1,7 @@
 """The labavg dashboard: live plots of a training run, past runs, scaling.
 
-    panel serve dashboard/app.py --args --runs-dir runs --data corpus   # http://localhost:5006/app
-    labavg dashboard                                                    # the same, via serve()
+    panel serve dashboard/app.py --args --runs-dir runs --data data/synth   # http://localhost:5006/app
+    labavg dashboard                                                        # the same, via serve()
 
 In JupyterLab: `from dashboard.app import create_app; create_app(runs_dir="runs")` shows it inline.
 Composition only; the state lives in dashboard.settings, dashboard.live and
@@ -26,8 +26,10 @@ from dashboard.components import LivePlots, RunControls, RunsView, SettingsPanel
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
+from labavg.config import DataConfig  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
+DATA = DataConfig.data  # labavg train's default data directory
 UPDATE_MS = 500  # the page is refreshed twice a second
 _TABLE_EVERY_TICKS = 10  # rescan the runs directory every 5 s while a run is on
 
@@ -35,7 +37,7 @@ _TABLE_EVERY_TICKS = 10  # rescan the runs directory every 5 s while a run is on
 class Dashboard:
     """The state objects and components of one browser session (or one notebook cell)."""
 
-    def __init__(self, runs_dir: str = "runs", data: str = "corpus") -> None:
+    def __init__(self, runs_dir: str = "runs", data: str = DATA) -> None:
         self.settings = RunSettings(runs_dir=runs_dir, data=data)
         self.live = LiveRun()
         self.table = RunTable(runs_dir=runs_dir)
@@ -69,7 +71,7 @@ class Dashboard:
         )
 
 
-def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = "corpus",
+def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = DATA,
                period_ms: int = UPDATE_MS) -> pn.template.FastListTemplate:
     """A servable dashboard page with its periodic update running (usable inline in JupyterLab)."""
     pn.extension("tabulator", notifications=False)
@@ -81,7 +83,7 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = "
 
 
 def serve(port: int = 5006, open_browser: bool = True, runs_dir: str | os.PathLike = "runs",
-          address: str = "127.0.0.1", data: str | os.PathLike = "corpus", **kwargs: Any) -> None:
+          address: str = "127.0.0.1", data: str | os.PathLike = DATA, **kwargs: Any) -> None:
     """Serve the dashboard until interrupted (localhost only unless `address` says otherwise).
 
     Extra keyword arguments go to `panel.serve` (e.g. basic_auth="...", websocket_origin=[...]).
@@ -94,7 +96,7 @@ def serve(port: int = 5006, open_browser: bool = True, runs_dir: str | os.PathLi
 def _script_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="panel serve dashboard/app.py --args")
     parser.add_argument("--runs-dir", default=os.environ.get("LABAVG_RUNS_DIR", "runs"))
-    parser.add_argument("--data", default=os.environ.get("LABAVG_DATA", "corpus"))
+    parser.add_argument("--data", default=os.environ.get("LABAVG_DATA", DATA))
     return parser.parse_known_args(argv)[0]
 
 

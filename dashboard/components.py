@@ -18,12 +18,19 @@ import numpy as np
 import pandas as pd
 import panel as pn
 import param
+from bokeh.models import BasicTicker, FixedTicker, NumberFormatter, NumeralTickFormatter
 
-from dashboard.live import POINTS_PER_CURVE, LiveRun
-from dashboard.runs_table import TABLE_COLUMNS, RunTable
-from dashboard.settings import RunSettings, describe_config
+from dashboard.live import (
+    POINTS_PER_CURVE,
+    PREDICTED_RANKS,
+    PREDICTION_NETWORK,
+    LiveRun,
+    Speedup,
+)
+from dashboard.runs_table import TABLE_COLUMNS, TABLE_TITLES, RunTable
+from dashboard.settings import GENERAL, RunSettings, describe_config
 
-PLOT_HEIGHT = 225
+PLOT_HEIGHT = 215
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
 _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
@@ -37,9 +44,31 @@ def load_backend() -> None:
     hv.Store.set_current_backend("bokeh")
 
 
+# Legends small enough to leave a third-of-the-page plot mostly visible.
+_LEGEND = {"label_text_font_size": "8pt", "glyph_height": 12, "glyph_width": 16, "spacing": 0,
+           "padding": 4, "margin": 4, "background_fill_alpha": 0.7}
+
+
 def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, Any]:
     return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
-                show_grid=True, toolbar="above", **{"framewise": False, **extra})
+                show_grid=True, toolbar="above", legend_opts=_LEGEND,
+                **{"framewise": False, **extra})
+
+
+def count_axis() -> dict[str, Any]:
+    """x-axis options for counts (steps, rounds, epochs): ticks on whole numbers only, and
+    thousands as 12,000 (bokeh's default turns them into colliding 1.000e+4 labels)."""
+    return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0),
+            "xformatter": NumeralTickFormatter(format="0,0")}
+
+
+def frames_axis() -> dict[str, Any]:
+    """x-axis options for frame counts: 500k, 1.2m, from 0 (one CV point alone would get a
+    range of a few frames, ticked 6.1k 6.1k 6.1k)."""
+    return {"xformatter": NumeralTickFormatter(format="0.[0]a"), "xlim": (0, None)}
+
+
+ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
 
 
 def rank_curves(prefix: str, ranks: int) -> list[tuple[str, str, dict[str, Any]]]:
@@ -67,7 +96,7 @@ class StreamedCurves:
 
     def __init__(self, x: str, curves: list[tuple[str, str, dict[str, Any]]], maxlen: int,
                  title: str, xlabel: str, ylabel: str, legend: bool = True,
-                 legend_position: str = "top_right") -> None:
+                 legend_position: str = "top_right", **axis: Any) -> None:
         self.x, self.maxlen = x, maxlen
         self.columns = [x, *(column for column, _, _ in curves)]
         self.data = pd.DataFrame({c: [] for c in self.columns}, dtype=float)
@@ -77,7 +106,8 @@ class StreamedCurves:
                         hooks=[self._capture], **style)
                     for column, label, style in curves]
         self.element = hv.Overlay(elements).opts(
-            **_plot_opts(title, xlabel, ylabel, show_legend=legend, legend_position=legend_position))
+            **_plot_opts(title, xlabel, ylabel, show_legend=legend, legend_position=legend_position,
+                         **axis))
 
     def _capture(self, plot, element) -> None:
         column = element.vdims[0].name
@@ -98,6 +128,13 @@ class StreamedCurves:
                 source.stream({self.x: xs, column: values}, rollover=self.maxlen)
         self._fit_ranges()
 
+    def clear(self) -> None:
+        """Empty every curve (a new run of as many ranks reuses the plots)."""
+        self.data = self.data.iloc[0:0]
+        for column, sources in self.sources.items():
+            for source in sources:
+                source.data = {self.x: np.array([], dtype=float), column: np.array([], dtype=float)}
+
     def _fit_ranges(self) -> None:
         """Fit the axes to the data held (the plot's ranges were fixed when it was empty)."""
         x = self.data[self.x].to_numpy()
@@ -112,6 +149,80 @@ class StreamedCurves:
             figure.y_range.update(start=y0 - pad, end=y1 + pad)
 
 
+SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+
+
+class SpeedupPlot:
+    """Speedup against ranks: the ideal, the cost model's prediction and the run's own point.
+
+    Drawn once per run; `show` replaces the two small data sources' contents (a handful of
+    points), so the page gets a few numbers per update rather than a new plot.
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[str, list] = {"predicted": [], "measured": []}
+        self.figures: list = []
+        self.data = {"predicted": ([], []), "measured": ([], [])}
+        xs = list(PREDICTED_RANKS)
+        ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(
+            color="gray", line_dash="dashed")
+        predicted = hv.Curve(([], []), "ranks", hv.Dimension("predicted", label="speedup"),
+                             label=f"cost model, {PREDICTION_NETWORK.name}").opts(
+            color="#1f77b4", hooks=[self._capture])
+        predicted_points = hv.Scatter(([], []), "ranks", hv.Dimension("predicted", label="speedup")).opts(
+            color="#1f77b4", size=5, hooks=[self._capture])
+        measured = hv.Scatter(([], []), "ranks", hv.Dimension("measured", label="speedup"),
+                              label="this run").opts(color="#d62728", size=12, marker="diamond",
+                                                     hooks=[self._capture])
+        ticks = FixedTicker(ticks=list(SPEEDUP_TICKS))
+        self.element = (ideal * predicted * predicted_points * measured).opts(
+            **_plot_opts("Speedup vs 1 rank", "ranks", "speedup (×)",
+                         legend_position="bottom_right", logx=True, logy=True,
+                         xlim=(0.9, 70), ylim=(0.1, 80), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
+                         yticks=ticks, yformatter=NumeralTickFormatter(format="0.[000]")))
+
+    def _capture(self, plot, element) -> None:
+        column = element.vdims[0].name
+        source = plot.handles["source"]
+        xs, ys = self.data[column]
+        source.data = {"ranks": np.asarray(xs, dtype=float), column: np.asarray(ys, dtype=float)}
+        self.sources[column].append(source)
+
+    def show(self, speedup: Speedup) -> None:
+        """Put the prediction and the measured point of `speedup` into the plot."""
+        predicted = ([p for p, _ in speedup.predicted], [v for _, v in speedup.predicted])
+        measured = (([speedup.ranks], [speedup.speedup]) if speedup.speedup is not None
+                    else ([], []))
+        for column, value in (("predicted", predicted), ("measured", measured)):
+            if self.data[column] == value:
+                continue
+            self.data[column] = value
+            for source in self.sources[column]:
+                source.data = {"ranks": np.asarray(value[0], dtype=float),
+                               column: np.asarray(value[1], dtype=float)}
+
+
+def speedup_text(speedup: Speedup, summary: dict[str, Any] | None = None) -> str:
+    """One or two lines on the Live tab: the speedup as measured so far and the prediction."""
+    if speedup.speedup is not None:
+        head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
+                f"— {speedup.ranks} ranks: {speedup.frames_per_second:,.0f} frames/s; 1-rank run "
+                f"`{speedup.baseline_name}`: {speedup.baseline_frames_per_second:,.0f} frames/s "
+                "(over training time; its K, lr and epochs may differ).")
+    elif speedup.note:
+        head = f"**Speedup: -** {speedup.note}"
+    else:
+        head = "**Speedup: -**"
+    if summary and summary.get("speedup") is not None:
+        head += f" Wall-time speedup with start-up and CV (labavg info): {summary['speedup']:.2f}×."
+    predicted = dict(speedup.predicted)
+    if predicted:
+        shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in (8, 32) if p in predicted)
+        head += (f"  \nCost model ({PREDICTION_NETWORK.name} cluster, one rank per machine, "
+                 f"K={speedup.K}, costs of {speedup.predicted_from}): {shown} ranks.")
+    return head
+
+
 class LivePlots(pn.viewable.Viewer):
     """The live plots of the run on screen; `update` streams what `LiveRun.drain` collected."""
 
@@ -120,60 +231,108 @@ class LivePlots(pn.viewable.Viewer):
         load_backend()
         self.live = live
         self.maxlen = maxlen
-        names = ("loss", "divergence", "times", "fps", "cv")
+        names = ("loss", "divergence", "speedup", "times", "fps", "cv")
         self.panes = {name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
                                               linked_axes=False)
                       for name in names}
+        self.speedup_line = pn.pane.Markdown("", sizing_mode="stretch_width", margin=(0, 10),
+                                             styles={"font-size": "0.9em"})
         self._generation = -1
         self._settle = 0
         self._build(live.buffers.ranks)
+        # The old run's curves go the moment a new run replaces it, not at the next update.
+        live.param.watch(lambda _: self._new_run(), "generation")
+        self._show_speedup()
+
+    def _new_run(self) -> None:
+        if self.live.generation == self._generation:
+            return
+        if self.live.buffers.ranks == self.ranks:
+            self._generation = self.live.generation
+            self._clear()
+        else:
+            self._build(self.live.buffers.ranks)
+            self._settle = _SETTLE_TICKS
+        self._show_speedup()
+
+    def _clear(self) -> None:
+        for curves in (self.loss, self.divergence, self.times, self.fps):
+            curves.clear()
+        self.cv_pipe.send(self._cv_frame([]))
+        self._cv_count = 0
+
+    @staticmethod
+    def _cv_frame(rows: list) -> pd.DataFrame:
+        cv = np.asarray(rows, dtype=float).reshape(-1, 3)
+        return pd.DataFrame({"epoch": cv[:, 0] + 1, "cv_acc_pct": 100 * cv[:, 1],
+                             "train_acc_pct": 100 * cv[:, 2]})
 
     def _build(self, ranks: int) -> None:
-        """New Buffers and DynamicMaps for a run of `ranks` ranks."""
+        """New plots for a run of `ranks` ranks."""
         self.ranks = ranks
         self._generation = self.live.generation
         legend = ranks <= _LEGEND_MAX_RANKS
         self.loss = StreamedCurves("step", rank_curves("loss", ranks), self.maxlen, "Training loss per rank",
-                                   "step (minibatches)", "loss (nats/frame)", legend)
+                                   "step (minibatches)", "loss (nats/frame)", legend, **count_axis())
         self.divergence = StreamedCurves("round", rank_curves("div", ranks), self.maxlen,
-                                         "Parameter divergence before averaging", "averaging round",
-                                         "relative RMS distance", legend)
+                                         "Divergence per rank", "averaging round",
+                                         "relative RMS distance", legend, **count_axis())
         self.times = StreamedCurves(
             "round", [("compute_s", "compute", {"color": "#1f77b4"}), ("comm_s", "communication", {"color": "#d62728"})],
-            self.maxlen, "Compute vs comm", "averaging round", "seconds per round", legend_position="top_left")
+            self.maxlen, "Compute vs comm", "averaging round", "seconds per round", legend_position="top_left",
+            **count_axis())
         self.fps = StreamedCurves("round", [("frames_per_s", "all ranks", {"color": "#2ca02c"})], self.maxlen,
-                                  "Frames/s (all ranks)", "averaging round", "frames/s", legend=False)
-        self.cv_pipe = hv.streams.Pipe(data=pd.DataFrame({"epoch": [], "cv_acc_pct": [], "train_acc_pct": []}))
+                                  "Frames/s (all ranks)", "averaging round", "frames/s", legend=False,
+                                  **count_axis())
+        self.speedup = SpeedupPlot()
+        self.cv_pipe = hv.streams.Pipe(data=self._cv_frame([]))
 
         def cv(data):
-            acc = hv.Curve(data, "epoch", hv.Dimension("cv_acc_pct", label="frame accuracy %"), label="CV")
-            train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy %"), label="train")
-            points = hv.Scatter(data, "epoch", hv.Dimension("cv_acc_pct", label="frame accuracy %"))
+            dim = hv.Dimension("cv_acc_pct", label="frame accuracy (%)")
+            acc = hv.Curve(data, "epoch", dim, label="CV")
+            train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy (%)"),
+                             label="train")
+            points = hv.Scatter(data, "epoch", dim)
             # framewise: the whole frame is replaced on each epoch, so the axes must follow it.
-            return (acc.opts(color="#9467bd", framewise=True) * points.opts(color="#9467bd", size=7, framewise=True)
+            return (acc.opts(color="#9467bd", framewise=True)
+                    * points.opts(color="#9467bd", size=7, framewise=True)
                     * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
-                **_plot_opts("Frame accuracy", "epoch", "frame accuracy %",
-                             legend_position="bottom_right", framewise=True))
+                **_plot_opts("Frame accuracy", "epoch", "frame accuracy (%)", framewise=True,
+                             legend_position="top_left", ylim=ACCURACY_RANGE,
+                             xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
 
-        for name in ("loss", "divergence", "times", "fps"):
+        for name in ("loss", "divergence", "times", "fps", "speedup"):
             self.panes[name].object = getattr(self, name).element
         self.panes["cv"].object = hv.DynamicMap(cv, streams=[self.cv_pipe])
         self._cv_count = 0
+        self._speedup_shown: Speedup | None = None
 
     def __panel__(self) -> pn.Column:
-        """Loss and divergence, then compute vs communication, frames/s and CV accuracy."""
+        """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy."""
         p = self.panes
         return pn.Column(
-            pn.Row(p["loss"], p["divergence"], sizing_mode="stretch_width"),
+            self.speedup_line,
+            pn.Row(p["loss"], p["divergence"], p["speedup"], sizing_mode="stretch_width"),
             pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
             sizing_mode="stretch_width",
         )
 
+    def _show_speedup(self) -> None:
+        if not self.live.config:
+            self.speedup_line.object = "**Speedup: -** No run on screen."
+            return
+        speedup = self.live.speedup()
+        if speedup != self._speedup_shown:
+            self._speedup_shown = speedup
+            self.speedup.show(speedup)
+        text = speedup_text(speedup, self.live.summary)
+        if text != self.speedup_line.object:
+            self.speedup_line.object = text
+
     def update(self) -> int:
         """Stream the rows collected since the last call; returns how many rows were sent."""
         if self.live.generation != self._generation:
-            self._build(self.live.buffers.ranks)
-            self._settle = _SETTLE_TICKS
+            self._new_run()
         if self._settle > 0:
             # A served page swaps in new plots a little later: until then, changes to their
             # bokeh models reach the browser before the models do ("reference isn't known").
@@ -200,50 +359,89 @@ class LivePlots(pn.viewable.Viewer):
             sent += n
         if len(buffers.cv) != self._cv_count:
             self._cv_count = len(buffers.cv)
-            cv = np.asarray(list(buffers.cv), dtype=float).reshape(-1, 3)
-            self.cv_pipe.send(pd.DataFrame({"epoch": cv[:, 0] + 1, "cv_acc_pct": 100 * cv[:, 1],
-                                            "train_acc_pct": 100 * cv[:, 2]}))
-            sent += len(cv)
+            frame = self._cv_frame(list(buffers.cv))
+            self.cv_pipe.send(frame)
+            sent += len(frame)
+        self._show_speedup()
         return sent
 
 
 def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
     """Speedup and parallel efficiency vs number of ranks of the finished runs, with the ideal."""
     frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run"])
-    top = max([1, *frame["ranks"].tolist()])
+    top = max([2, *frame["ranks"].tolist()])
     xs = list(range(1, top + 1))
+    ranks_axis = {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0), "xlim": (0.5, top + 0.5)}
     ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(color="gray", line_dash="dashed")
     speedup = hv.Scatter(frame, "ranks", ["speedup", "K", "run"], label="runs").opts(
         size=9, color="#1f77b4", tools=["hover"])
-    ideal_eff = hv.Curve((xs, [1.0] * len(xs)), "ranks", "efficiency", label="ideal").opts(
+    ideal_eff = hv.Curve((xs, [100.0] * len(xs)), "ranks", "efficiency", label="ideal").opts(
         color="gray", line_dash="dashed")
-    efficiency = hv.Scatter(frame, "ranks", ["efficiency", "K", "run"], label="runs").opts(
+    efficiency = hv.Scatter(frame.assign(efficiency=100 * frame["efficiency"].astype(float)), "ranks",
+                            ["efficiency", "K", "run"], label="runs").opts(
         size=9, color="#ff7f0e", tools=["hover"])
     return (
-        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank", "ranks", "speedup",
-                                            legend_position="top_left"))
-        + (ideal_eff * efficiency).opts(**_plot_opts("Parallel efficiency", "ranks", "speedup / ranks",
-                                                     legend_position="bottom_left", ylim=(0, None)))
+        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank (wall time)", "ranks",
+                                            "speedup (x faster than 1 rank)",
+                                            legend_position="top_left", **ranks_axis))
+        + (ideal_eff * efficiency).opts(**_plot_opts("Parallel efficiency", "ranks",
+                                                     "efficiency (% of ideal)",
+                                                     legend_position="bottom_left", ylim=(0, 110),
+                                                     **ranks_axis))
     ).opts(shared_axes=False)
 
 
-def overlay_plot(curves: dict[str, dict[str, list[float]]]) -> hv.Layout:
-    """Mean training loss and CV accuracy of the selected runs, by frames trained."""
-    losses, accs = [], []
+def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
+    """Mean training loss, divergence and CV accuracy of the selected runs, by frames trained;
+    each run's legend names what sets it apart from the others (`RunTable.overlay`)."""
+    losses, divs, accs = [], [], []
     for i, (name, c) in enumerate(curves.items()):
         color = _PALETTE[i % len(_PALETTE)]
-        losses.append(hv.Curve((c["frames"], c["loss"]), "frames", "loss", label=name).opts(color=color))
-        accs.append(hv.Curve((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc", label=name).opts(color=color)
+        label = c.get("label", name)
+        losses.append(hv.Curve((c["frames"], c["loss"]), "frames", "loss", label=label).opts(color=color))
+        divs.append(hv.Curve((c["div_frames"], c["divergence"]), "frames", "divergence",
+                             label=label).opts(color=color))
+        accs.append(hv.Curve((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc", label=label).opts(color=color)
                     * hv.Scatter((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc").opts(color=color, size=6))
     if not losses:
         losses = [hv.Curve([], "frames", "loss")]
+        divs = [hv.Curve([], "frames", "divergence")]
         accs = [hv.Curve([], "frames", "cv_acc")]
+    x = "frames trained (all ranks)"
     return (
-        hv.Overlay(losses).opts(**_plot_opts("Mean training loss (selected runs)", "frames trained (all ranks)",
-                                             "cross-entropy", legend_position="top_right"))
-        + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy (selected runs)", "frames trained (all ranks)",
-                                             "frame accuracy %", legend_position="bottom_right"))
-    ).opts(shared_axes=False)
+        hv.Overlay(losses).opts(**_plot_opts("Mean training loss", x, "loss (nats/frame)",
+                                             legend_position="top_right", **frames_axis()))
+        + hv.Overlay(divs).opts(**_plot_opts("Divergence (mean of ranks)", x,
+                                             "relative RMS distance", legend_position="top_right",
+                                             **frames_axis()))
+        + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy", x, "frame accuracy (%)",
+                                             legend_position="top_left", ylim=ACCURACY_RANGE,
+                                             **frames_axis()))
+    ).opts(shared_axes=False).cols(3)
+
+
+def _number(format: str) -> NumberFormatter:
+    # "-" for a run without the result yet, never "NaN".
+    return NumberFormatter(format=format, nan_format="-", null_format="-", text_align="right")
+
+
+TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_acc_pct": "0.00",
+                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
+                 "comm_pct": "0.0"}
+NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
+# Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
+# sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
+TABLE_WIDTHS = {"run": 182, "ranks": 78, "K": 50, "lr": 64, "wer_pct": 90, "per_pct": 90,
+                "cv_acc_pct": 112, "cv_loss": 96, "speedup": 112, "efficiency": 116, "status": 96}
+_TABLE_MAX_HEIGHT = 250
+
+
+def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The runs table's rows as the Tabulator shows them: numbers as numbers, None as NaN."""
+    frame = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+    for column in NUMERIC_COLUMNS:
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype(float)
+    return frame
 
 
 class RunsView(pn.viewable.Viewer):
@@ -253,12 +451,12 @@ class RunsView(pn.viewable.Viewer):
         super().__init__(**params)
         load_backend()
         self.table = table
+        formatters = {c: _number(f) for c, f in TABLE_FORMATS.items()}
+        formatters.update({c: _number("0") for c in ("ranks", "K", "minibatch", "epochs")})
         self.tabulator = pn.widgets.Tabulator(
-            pd.DataFrame(columns=list(TABLE_COLUMNS)), selectable="checkbox", disabled=True,
+            table_frame([]), selectable="checkbox", disabled=True,
             show_index=False, sizing_mode="stretch_width", height=250, layout="fit_data_table",
-            titles={"cv_acc_pct": "cv acc %", "comm_pct": "comm %", "wall_s": "wall s"},
-            formatters={c: {"type": "number", "precision": 3}
-                        for c in ("cv_loss", "wall_s", "speedup", "efficiency")},
+            titles=TABLE_TITLES, formatters=formatters, frozen_columns=["run"], widths=TABLE_WIDTHS,
         )
         self.tabulator.param.watch(self._on_select, "selection")
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",
@@ -267,11 +465,13 @@ class RunsView(pn.viewable.Viewer):
         self.refresh_button.on_click(lambda _: self.refresh())
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
         self.scaling = pn.pane.HoloViews(scaling_plot([]), sizing_mode="stretch_width")
+        self.scaling_note = pn.pane.Markdown("", margin=(0, 10))
 
     def __panel__(self) -> pn.Column:
         """The runs table with its buttons, and the overlay of the selected runs."""
         return pn.Column(
-            pn.Row(pn.pane.Markdown("Tick runs to overlay them below.", margin=(8, 10)),
+            pn.Row(pn.pane.Markdown("Tick runs to overlay them below; legends name what differs "
+                                    "between them.", margin=(8, 10)),
                    pn.layout.HSpacer(), self.refresh_button, self.download),
             self.tabulator, self.overlay, sizing_mode="stretch_width",
         )
@@ -279,9 +479,10 @@ class RunsView(pn.viewable.Viewer):
     def scaling_view(self) -> pn.Column:
         """Speedup and efficiency against ranks, of the runs with a 1-rank baseline."""
         return pn.Column(
-            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same configuration / "
-                             "wall time with N ranks; efficiency = speedup / N.", margin=(8, 10)),
-            self.scaling, sizing_mode="stretch_width",
+            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same model and data (any "
+                             "K) / wall time with N ranks, start-up and CV included, as `labavg "
+                             "info` shows it; efficiency = speedup / N.", margin=(8, 10)),
+            self.scaling_note, self.scaling, sizing_mode="stretch_width",
         )
 
     def _csv(self) -> io.StringIO:
@@ -296,15 +497,32 @@ class RunsView(pn.viewable.Viewer):
         """Rescan the runs directory and redraw the table and the scaling plots."""
         selected = list(self.table.selected)
         rows = self.table.refresh()
-        frame = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
+        frame = table_frame(rows)
         self.tabulator.value = frame
+        # As tall as its rows, so that the overlay below starts on screen.
+        self.tabulator.height = min(_TABLE_MAX_HEIGHT, 64 + 32 * len(frame))
         names = frame["run"].tolist()
         self.tabulator.selection = [names.index(n) for n in selected if n in names]
-        self.scaling.object = scaling_plot(self.table.scaling())
+        points = self.table.scaling()
+        self.scaling.object = scaling_plot(points)
+        finished = [r for r in rows if r["status"] == "finished"]
+        if not any(r["ranks"] == 1 for r in finished):
+            note = ("_No point yet: no finished 1-rank run in this runs directory. Run one with "
+                    "ranks = 1 and the same settings (any K); every run of that model and data "
+                    "then gets its speedup._")
+        elif len(points) <= sum(r["ranks"] == 1 for r in finished):
+            note = ("_No multi-rank run pairs with a 1-rank run yet: they must differ only in "
+                    "ranks, K, backend or logging._")
+        else:
+            note = ""
+        self.scaling_note.object = note
 
 
 SETTINGS_ORDER = ("backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
                   "pretrain", "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
+_ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
+# Markdown's paragraph margins would leave a blank line under every message.
+_ERROR_SHEET = ["p { margin: 0; }"]
 
 
 class SettingsPanel(pn.viewable.Viewer):
@@ -319,11 +537,13 @@ class SettingsPanel(pn.viewable.Viewer):
 
 
 def settings_panel(settings: RunSettings) -> pn.Column:
-    """The controls, two to a row (so they fit at 1366x768), number boxes instead of sliders."""
+    """The controls, two to a row (so they fit at 1366x768), number boxes instead of sliders;
+    under each, what is wrong with its value (RunSettings.errors), shown only when something is."""
     number = {"type": pn.widgets.IntInput}
+    names = ("preset", *SETTINGS_ORDER, "data", "runs_dir")
     param_pane = pn.Param(
         settings,
-        parameters=[*SETTINGS_ORDER, "data", "runs_dir"],
+        parameters=list(names),
         widgets={
             "ranks": number, "average_every": number, "minibatch": number, "epochs": number,
             "hidden_layers": number, "hidden_dim": number, "context": number,
@@ -333,13 +553,31 @@ def settings_panel(settings: RunSettings) -> pn.Column:
         },
         show_name=False,
     )
-    widgets = {name: param_pane.widget(name) for name in (*SETTINGS_ORDER, "data", "runs_dir")}
-    for widget in widgets.values():
-        widget.param.update(sizing_mode="stretch_width", margin=(2, 5))
-    pairs = [pn.Row(widgets[a], widgets[b], sizing_mode="stretch_width")
-             for a, b in zip(SETTINGS_ORDER[1::2], SETTINGS_ORDER[2::2])]
-    return pn.Column(widgets["backend"], *pairs, widgets["data"], widgets["runs_dir"],
-                     sizing_mode="stretch_width")
+    widgets = {name: param_pane.widget(name) for name in names}
+    for name in ("data", "runs_dir"):
+        # Checked as typed: a path is judged on each keystroke, not when the box loses focus.
+        widgets[name].param.watch(lambda e, name=name: setattr(settings, name, e.new), "value_input")
+    messages = {name: pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
+                                       margin=(0, 8, 4, 8), styles=_ERROR_STYLE,
+                                       stylesheets=_ERROR_SHEET, css_classes=["labavg-error"],
+                                       name=f"error-{name}")
+                for name in names}
+
+    def show(errors: dict[str, str]) -> None:
+        for name, pane in messages.items():
+            text = errors.get(name, "")
+            pane.param.update(object=text.replace("*", "\\*").replace("_", "\\_"), visible=bool(text))
+
+    settings.param.watch(lambda e: show(e.new), "errors")
+    show(settings.errors)
+
+    def cell(name: str) -> pn.Column:
+        widgets[name].param.update(sizing_mode="stretch_width", margin=(2, 5))
+        return pn.Column(widgets[name], messages[name], sizing_mode="stretch_width", margin=0)
+
+    pairs = [pn.Row(cell(a), cell(b), sizing_mode="stretch_width")
+             for a, b in [("preset", "backend"), *zip(SETTINGS_ORDER[1::2], SETTINGS_ORDER[2::2])]]
+    return pn.Column(*pairs, cell("data"), cell("runs_dir"), sizing_mode="stretch_width")
 
 
 class RunControls(pn.viewable.Viewer):
@@ -358,13 +596,31 @@ class RunControls(pn.viewable.Viewer):
         self.stop_button.on_click(lambda _: self.live.stop())
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))
         self.live.param.watch(self._on_running, "running")
+        self.problem = pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
+                                        margin=(0, 8), styles=_ERROR_STYLE, stylesheets=_ERROR_SHEET,
+                                        css_classes=["labavg-error"])
+        self.settings.param.watch(lambda _: self._enable(), "errors")
+        self._enable()
         self.status = pn.pane.Markdown(self._text(), sizing_mode="stretch_width", margin=(0, 10),
                                        styles={"font-size": "0.95em"})
         self.live.param.watch(lambda *_: setattr(self.status, "object", self._text()),
                               ["status", "error", "config", "run_dir", "mode"])
 
+    def _enable(self) -> None:
+        errors = self.settings.errors
+        # Start stays off while any setting is wrong: a run never starts with a value the
+        # page shows as refused (or with the value it had before).
+        self.start_button.disabled = self.live.running or bool(errors)
+        if errors:
+            general = errors.get(GENERAL)
+            text = general or (f"Fix {len(errors)} setting{'s' if len(errors) > 1 else ''} "
+                               "marked below to start.")
+        else:
+            text = ""
+        self.problem.param.update(object=text.replace("_", "\\_"), visible=bool(text))
+
     def _on_running(self, event: param.parameterized.Event) -> None:
-        self.start_button.disabled = event.new
+        self._enable()
         self.follow_button.disabled = event.new
         self.stop_button.disabled = not event.new
 
@@ -382,8 +638,9 @@ class RunControls(pn.viewable.Viewer):
         return self.status
 
     def __panel__(self) -> pn.Column:
-        """Start/Stop side by side, then the monitor-mode input."""
+        """Start/Stop side by side, why Start is off, then the monitor-mode input."""
         return pn.Column(pn.Row(self.start_button, self.stop_button, sizing_mode="stretch_width"),
+                         self.problem,
                          pn.Row(self.follow_input, self.follow_button,
                                 sizing_mode="stretch_width"),
                          sizing_mode="stretch_width")

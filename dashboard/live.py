@@ -25,10 +25,21 @@ import param
 
 from dashboard.settings import RunSettings, new_run_dir
 from labavg.config import TrainConfig, to_dict
+from labavg.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 from labavg.errors import UserError, one_line, user_error_of
-from labavg.index import CONFIG, EVENTS, SUMMARY, EventTail
+from labavg.index import (
+    CONFIG,
+    EVENTS,
+    SUMMARY,
+    EventTail,
+    effective_k,
+    find_throughput_baseline,
+    training_throughput,
+)
 
 POINTS_PER_CURVE = 5000
+# Ranks the cost model predicts a speedup for, beside the run's own.
+PREDICTED_RANKS = (1, 2, 4, 8, 16, 32, 64)
 # Pending rows wait this long (in rows) for a late rank before they are emitted with a gap.
 _MAX_PENDING = 64
 
@@ -99,7 +110,15 @@ class RunBuffers:
         self.cv: deque = deque(maxlen=self.maxlen)  # (epoch, cv acc, train acc), rank 0
         self.last_step = 0
         self.finished: dict[str, Any] | None = None
+        self.started: dict[str, Any] | None = None  # rank 0's run_started
         self.messages: deque = deque(maxlen=20)
+        # Throughput as Su & Chen's epoch time counts it: frames of all ranks over rank 0's
+        # compute + averaging seconds (the ranks wait for each other at every round).
+        self.frames = 0.0
+        self.seconds = 0.0
+        self.comm_seconds = 0.0
+        self.rounds = 0
+        self.round_steps = 0  # rank 0's minibatches up to its last averaging round
 
     def add(self, event: dict[str, Any]) -> None:
         """Route one event dict (labavg.events) into the buffers."""
@@ -113,6 +132,15 @@ class RunBuffers:
             self.compute.add(rank, rnd, event["compute_seconds"])
             self.comm.add(rank, rnd, event["comm_seconds"])
             self.fps.add(rank, rnd, event["frames_per_second"])
+            self.frames += event["frames_per_second"] * event["compute_seconds"]
+            if rank == 0:
+                self.seconds += event["compute_seconds"] + event["comm_seconds"]
+                self.comm_seconds += event["comm_seconds"]
+                self.rounds += 1
+                start = self.started.get("start_step", 0) if self.started else 0
+                self.round_steps = event["step"] - start
+        elif kind == "run_started" and rank == 0:
+            self.started = event
         elif kind == "epoch" and rank == 0:
             self.cv.append((event["epoch"], event["cv_frame_accuracy"], event["train_frame_accuracy"]))
         elif kind == "message":
@@ -121,6 +149,84 @@ class RunBuffers:
             self.finished = event
             for series in (self.loss, self.divergence, self.compute, self.comm, self.fps):
                 series.flush()
+
+
+    def frames_per_second(self) -> float | None:
+        """Frames per second of all ranks so far (training time), None before a round."""
+        return self.frames / self.seconds if self.seconds > 0 else None
+
+    def measured_costs(self, minibatch: int) -> MeasuredCosts | None:
+        """The cost model's inputs as this run measured them, once it has averaged."""
+        s = self.started
+        if s is None or self.rounds == 0 or self.round_steps < 1:
+            return None
+        compute = (self.seconds - self.comm_seconds) / self.round_steps
+        return MeasuredCosts(compute_per_minibatch_s=compute,
+                             allreduce_s=self.comm_seconds / self.rounds,
+                             num_params=int(s["num_params"]), minibatch=minibatch, ranks=self.ranks,
+                             frames_per_epoch=float(s["steps_per_epoch"] * minibatch * self.ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Speedup:
+    """What the Live tab says about the run's speedup: measured, and the cost model's."""
+
+    ranks: int
+    K: int | None
+    frames_per_second: float | None  # this run, all ranks
+    baseline_frames_per_second: float | None
+    baseline_name: str | None
+    speedup: float | None
+    efficiency: float | None
+    predicted: list[tuple[int, float]]  # (ranks, speedup) on PREDICTION_NETWORK
+    predicted_from: str  # which run's costs the prediction uses
+    note: str  # why there is no measured speedup, or ""
+
+
+PREDICTION_NETWORK = TEN_GBE
+
+
+def live_speedup(buffers: RunBuffers, config: dict[str, Any],
+                 baseline: dict[str, Any] | None) -> Speedup:
+    """The run's throughput against its 1-rank baseline, and the cost model's speedups.
+
+    Speedup = frames/s of this run (all ranks) / frames/s of the baseline, both over training
+    time (compute + averaging); the baseline may differ in K, learning rate, schedule and
+    epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The
+    prediction (`labavg.costmodel.predict`, one rank per machine on PREDICTION_NETWORK) uses
+    the baseline's measured costs when there is one, else this run's.
+    """
+    ranks = int(config.get("ranks", buffers.ranks) or 1)
+    minibatch = int(config.get("minibatch") or 1)
+    k = effective_k(config)
+    fps = buffers.frames_per_second()
+    base_fps = training_throughput(baseline) if baseline else None
+    base_name = Path(str(baseline.get("config", {}).get("out", "?"))).name if baseline else None
+    speedup = fps / base_fps if fps and base_fps else None
+    note = ""
+    if baseline is None:
+        note = ("This 1-rank run is the baseline: runs of this model and data with more ranks "
+                "(any K) will be measured against it." if ranks == 1 else
+                "No speedup yet: no finished 1-rank run of this model, data, minibatch and "
+                "optimizer in the runs directory. Run one with ranks = 1 (any K) to measure it.")
+    elif fps is None:
+        note = "Measuring: the first averaging round gives the run's frames/s."
+    # The baseline's costs when there is one: one rank alone on the machine, so neither its
+    # compute nor its per-round overhead includes waiting for ranks that share the cores.
+    measured, source = buffers.measured_costs(minibatch), "this run"
+    if baseline is not None:
+        try:
+            measured, source = from_summary(baseline), f"1-rank run {base_name}"
+        except UserError:
+            pass
+    predicted: list[tuple[int, float]] = []
+    if measured is not None and k:
+        predicted = [(p.ranks, p.speedup) for p in predict(
+            measured, PREDICTED_RANKS, Ks=(k,), network=PREDICTION_NETWORK)]
+    return Speedup(ranks=ranks, K=k, frames_per_second=fps, baseline_frames_per_second=base_fps,
+                   baseline_name=base_name, speedup=speedup,
+                   efficiency=speedup / ranks if speedup is not None else None,
+                   predicted=predicted, predicted_from=source if predicted else "", note=note)
 
 
 class LiveRun(param.Parameterized):
@@ -148,6 +254,8 @@ class LiveRun(param.Parameterized):
         self._outcome: queue.SimpleQueue = queue.SimpleQueue()
         self._tail: EventTail | None = None
         self._summary: dict[str, Any] | None = None
+        # The summary of the finished 1-rank run the run on screen is measured against.
+        self.baseline: dict[str, Any] | None = None
 
     # -- starting and stopping -------------------------------------------------------------
 
@@ -157,9 +265,18 @@ class LiveRun(param.Parameterized):
             self.status = "A run is already in progress; stop it first."
             return False
         try:
+            problem = settings.check()
+            if problem is not None:
+                raise UserError(problem)
+            runs_dir = Path(settings.runs_dir).expanduser()
+            try:
+                runs_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # what check_directory cannot foresee (a read-only disk)
+                raise UserError(f"runs directory {settings.runs_dir!r} cannot be created: "
+                                f"{exc.strerror}") from None
             # The name shows the K the run trains with (average_every_frames may set it).
-            k = settings.to_config(Path(settings.runs_dir) / "check").averaging_interval()
-            out = new_run_dir(Path(settings.runs_dir).expanduser(), settings.ranks, k)
+            k = settings.to_config(runs_dir / "check").averaging_interval()
+            out = new_run_dir(runs_dir, settings.ranks, k)
             cfg = settings.to_config(out)
         except UserError as exc:
             self.error = str(exc)
@@ -167,13 +284,25 @@ class LiveRun(param.Parameterized):
             return False
         backend = settings.backend
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
+        self.baseline = find_throughput_baseline(out, self.config)
         launcher = "threads" if backend == "in-process workers" else "engines"
         self._thread = threading.Thread(target=self._drive, args=(cfg, launcher), daemon=True,
                                         name="labavg-dashboard-run")
         self.running = True
-        self.status = f"Running {out.name} ({backend}, {cfg.ranks} ranks, K={cfg.averaging_interval()})…"
+        what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.averaging_interval()}"
+        if launcher == "engines":
+            # Engines take seconds to start (more on a busy machine): say so, or the empty
+            # plots look like a hung run.
+            self.status = (f"Starting {cfg.ranks} MPI engines for {out.name} ({what}); the plots "
+                           "fill once the engines train…")
+        else:
+            self.status = f"Starting {out.name} ({backend}, {what}): reading the data…"
         self._thread.start()
         return True
+
+    def speedup(self) -> Speedup:
+        """The run on screen's speedup against its 1-rank baseline, and the cost model's."""
+        return live_speedup(self.buffers, self.config, self.baseline)
 
     def stop(self) -> None:
         """Ask the run to stop at its next averaging round (all ranks stop together)."""
@@ -198,6 +327,7 @@ class LiveRun(param.Parameterized):
         self._outcome = queue.SimpleQueue()
         self._stop = threading.Event()
         self._summary = None
+        self.baseline = None
         self.error = ""
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
@@ -251,6 +381,7 @@ class LiveRun(param.Parameterized):
             except (OSError, json.JSONDecodeError):
                 return  # rank 0 writes config.json with its first event; keep waiting
             self.buffers = RunBuffers(int(config.get("ranks", 1)), self.maxlen)
+            self.baseline = find_throughput_baseline(run_dir, config)
             self.config = config
             self.generation += 1
             self.status = f"Following {run_dir}…"

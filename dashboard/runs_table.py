@@ -10,12 +10,22 @@ from typing import Any
 import numpy as np
 import param
 
-from labavg.index import EVENTS, fill_speedups, list_runs, read_events, run_row
+from labavg.index import (
+    EVENTS,
+    differing_labels,
+    fill_speedups,
+    list_runs,
+    read_events,
+    run_row,
+)
 
-
-TABLE_COLUMNS = ("run", "status", "backend", "ranks", "K", "optimizer", "lr", "schedule", "pretrain",
-                 "minibatch", "epochs", "model", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss",
-                 "wall_s", "comm_pct", "speedup", "efficiency")
+# Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
+# 1366 px without scrolling sideways; the rest of the settings follow.
+TABLE_COLUMNS = ("run", "ranks", "K", "lr", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss", "speedup",
+                 "efficiency", "status", "optimizer", "model", "wall_s", "comm_pct", "backend",
+                 "schedule", "pretrain", "minibatch", "epochs")
+TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
+                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency"}
 
 
 def _table_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -71,31 +81,40 @@ class RunTable(param.Parameterized):
         writer.writerows(self.rows)
         return out.getvalue()
 
-    def overlay(self) -> dict[str, dict[str, list[float]]]:
-        """For each selected run: its mean training loss by frames trained and its CV accuracy.
+    def overlay(self) -> dict[str, dict[str, Any]]:
+        """For each selected run: its mean training loss, mean divergence before averaging
+        and CV accuracy by frames trained, and a label of what sets it apart.
 
         x is frames over all ranks (step x minibatch x ranks) so runs with different numbers
-        of ranks line up.
+        of ranks line up; the label names the settings that differ between the selected runs
+        ("n2 K=50 lr 0.016", `labavg.index.differing_labels`).
         """
         root = Path(self.runs_dir).expanduser()
+        selected = [name for name in self.selected if name in self._configs]
+        labels = differing_labels({name: self._configs[name] for name in selected})
         curves = {}
-        for name in self.selected:
-            config = self._configs.get(name)
-            if config is None:
-                continue
+        for name in selected:
+            config = self._configs[name]
             scale = config.get("minibatch", 1) * config.get("ranks", 1)
             sums: dict[int, list[float]] = {}
+            divs: dict[int, list[float]] = {}
             cv_x, cv_y = [], []
             for event in read_events(root / name) if (root / name / EVENTS).is_file() else []:
-                if event.get("type") == "minibatch":
+                kind = event.get("type")
+                if kind == "minibatch":
                     sums.setdefault(event["step"], []).append(event["loss"])
-                elif event.get("type") == "epoch" and event.get("rank") == 0:
+                elif kind == "average":
+                    divs.setdefault(event["step"], []).append(event["divergence"])
+                elif kind == "epoch" and event.get("rank") == 0:
                     cv_x.append(event["step"] * scale)
                     cv_y.append(100 * event["cv_frame_accuracy"])
-            steps = sorted(sums)
+            steps, rounds = sorted(sums), sorted(divs)
             curves[name] = {
+                "label": labels[name],
                 "frames": [s * scale for s in steps],
                 "loss": [float(np.mean(sums[s])) for s in steps],
+                "div_frames": [s * scale for s in rounds],
+                "divergence": [float(np.mean(divs[s])) for s in rounds],
                 "cv_frames": cv_x, "cv_acc_pct": cv_y,
             }
         return curves

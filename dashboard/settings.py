@@ -1,48 +1,67 @@
 """The dashboard's controls of the next run, generated from the settings' schema.
 
-Each control names a TrainConfig setting: its type, choices, help text and lower bound come
-from `labavg.config` (where the setting is declared); the dashboard adds only its own default
-(small runs, for interactive use), its label and the upper end of a number box.
+Each control names a TrainConfig setting: its type, choices, help text and default come from
+`labavg.config` (where the setting is declared), so the dashboard starts with the CLI's run.
+The dashboard adds only its label. Values are not bounded here: a bad value is kept, so that
+the page can say what is wrong with it (`RunSettings.errors`, in `check_setting`'s words,
+the CLI's) instead of quietly putting the old value back.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 import param
 
-from labavg.config import TrainConfig, _field_types, setting_field, validate, with_overrides
+from labavg.config import (
+    PRESETS,
+    TrainConfig,
+    _field_types,
+    check_directory,
+    check_setting,
+    setting_field,
+    validate,
+    with_overrides,
+)
+from labavg.data.dataset import check_data_source
 from labavg.errors import UserError
 from labavg.index import effective_k
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 # dotted TrainConfig key of each control, by the control's name (the key's last part)
 CONTROLS: dict[str, str] = {}
+DEFAULTS = "defaults"  # the preset of TrainConfig's own defaults
+# The key of a problem that no single control owns (settings that contradict each other).
+GENERAL = ""
+_KEPT_BY_PRESETS = ("ranks", "average_every", "data")
 
 
-def control(key: str, default: Any, label: str, high: float | None = None) -> param.Parameter:
-    """A param Parameter for setting `key`, checked as `labavg.config` checks it."""
+def _default(key: str) -> Any:
+    f = setting_field(key)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()
+
+
+def control(key: str, label: str) -> param.Parameter:
+    """A param Parameter for setting `key`, with the setting's default, choices and help."""
     f = setting_field(key)
     CONTROLS[key.split(".")[-1]] = key
     rule, doc = f.metadata["rule"], f.metadata["help"]
     hint = _field_types_of(key)
     kind = next(a for a in getattr(hint, "__args__", None) or (hint,) if a is not type(None))
-    optional = kind is not hint
-    common = {"default": default, "label": label, "doc": doc, "allow_None": optional}
+    # allow_None everywhere: an emptied number box is a value to complain about, not a crash.
+    common = {"default": _default(key), "label": label, "doc": doc, "allow_None": True}
     if rule is not None and rule.choices:
         return param.Selector(objects=list(rule.choices), **common)
     if kind is str:
         return param.String(**common)
-    low = None if rule is None or rule.low is None or math.isinf(rule.low) else rule.low
-    if rule is not None and rule.high is not None:
-        high = rule.high if high is None else min(high, rule.high)
     if kind is int:
-        return param.Integer(bounds=(low, high), **common)
-    return param.Number(bounds=(low, high),
-                        inclusive_bounds=(not (rule is not None and rule.low_open), True), **common)
+        return param.Integer(**common)
+    return param.Number(**common)
 
 
 def _field_types_of(key: str) -> Any:
@@ -53,44 +72,103 @@ def _field_types_of(key: str) -> Any:
     return _field_types(cls)[leaf]
 
 
+def _backend_label(backend: str) -> str:
+    return next(label for label, name in BACKEND_LABELS.items() if name == backend)
+
+
 class RunSettings(param.Parameterized):
     """The controls of the next run. Changing them never touches the run on screen."""
 
-    backend = param.Selector(default="in-process workers", objects=list(BACKEND_LABELS), label="backend",
+    preset = param.Selector(default=DEFAULTS, objects=[DEFAULTS, *PRESETS], label="preset",
+                            doc="defaults: TrainConfig's (labavg train's); a named preset "
+                                "(labavg.config.PRESETS) changes what is trained, not ranks or K")
+    backend = param.Selector(default=_backend_label(TrainConfig.backend), objects=list(BACKEND_LABELS),
+                             label="backend",
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
-    ranks = control("ranks", 2, "ranks", high=64)
-    average_every = control("average_every", 10, "K (average every)", high=100000)
-    lr = control("lr", 0.008, "learning rate", high=10.0)
-    final_lr = control("final_lr", None, "final lr", high=10.0)
-    schedule = control("schedule", "exponential", "schedule")
-    optimizer = control("optimizer", "sgd", "optimizer")
-    pretrain = control("pretrain", "none", "pretrain")
-    minibatch = control("minibatch", 256, "minibatch", high=65536)
-    epochs = control("epochs", 2, "epochs", high=1000)
-    hidden_layers = control("model.hidden_layers", 2, "hidden layers", high=16)
-    hidden_dim = control("model.hidden_dim", 256, "hidden units", high=8192)
-    context = control("data.context", 5, "context", high=50)
-    data = control("data.data", "corpus", "data directory")
+    ranks = control("ranks", "ranks")
+    average_every = control("average_every", "K (average every)")
+    lr = control("lr", "learning rate")
+    final_lr = control("final_lr", "final lr")
+    schedule = control("schedule", "schedule")
+    optimizer = control("optimizer", "optimizer")
+    pretrain = control("pretrain", "pretrain")
+    minibatch = control("minibatch", "minibatch")
+    epochs = control("epochs", "epochs")
+    hidden_layers = control("model.hidden_layers", "hidden layers")
+    hidden_dim = control("model.hidden_dim", "hidden units")
+    context = control("data.context", "context")
+    data = control("data.data", "data directory")
     runs_dir = param.String(default="runs", label="runs directory")
     overrides = param.Dict(default={}, doc="more TrainConfig settings as dotted keys (not shown)")
+    errors = param.Dict(default={}, doc="what is wrong, by control name (GENERAL: the settings "
+                                        "together); empty when a run can start")
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.param.watch(self._on_preset, "preset")
+        self.param.watch(lambda *_: self._update_errors(),
+                         [*CONTROLS, "backend", "runs_dir", "overrides"])
+        self._update_errors()
+
+    def _on_preset(self, event: param.parameterized.Event) -> None:
+        values = {} if event.new == DEFAULTS else PRESETS[event.new]
+        shown = {key: name for name, key in CONTROLS.items()}
+        extra = {k: v for k, v in values.items() if k not in shown}
+        # Every shown control but the data and the parallel ones goes back to its default,
+        # then the preset's values on top: ranks and K stay what the user compares.
+        update = {name: _default(key) for name, key in CONTROLS.items()
+                  if name not in _KEPT_BY_PRESETS}
+        update.update({shown[k]: v for k, v in values.items() if k in shown})
+        self.param.update(**update, overrides={**self.overrides, **extra})
+
+    def _values(self, out: str | Path) -> dict[str, Any]:
+        values = {key: getattr(self, name) for name, key in CONTROLS.items()}
+        values.update({"out": str(out), "backend": BACKEND_LABELS[self.backend],
+                       "tensorboard": False, "data.data": str(Path(self.data or "").expanduser()),
+                       **self.overrides})
+        return values
+
+    def problems(self) -> dict[str, str]:
+        """What is wrong, by control name; GENERAL for what no one control owns."""
+        found = {}
+        for name, key in CONTROLS.items():
+            problem = check_setting(key, getattr(self, name))
+            if problem is not None:
+                found[name] = problem
+        problem = check_directory(self.runs_dir or "", "runs directory", "the runs directory")
+        if problem is None and not (self.runs_dir or "").strip():
+            problem = "runs directory must be a non-empty path; got ''"
+        if problem is not None:
+            found["runs_dir"] = problem
+        if "data" not in found:
+            try:
+                data = self._values("x")
+                check_data_source(data["data.data"], ali=data.get("data.ali"),
+                                  ali_dir=data.get("data.ali_dir"), textgrid=data.get("data.textgrid"))
+            except UserError as exc:
+                found["data"] = str(exc)
+        if not found:
+            try:
+                self.to_config(Path(self.runs_dir) / "check")
+            except UserError as exc:
+                found[GENERAL] = str(exc)
+        return found
+
+    def _update_errors(self) -> None:
+        self.errors = self.problems()
 
     def to_config(self, out: str | Path) -> TrainConfig:
         """The validated TrainConfig of a run written to `out`; UserError names a bad value."""
-        data_dir = Path(self.data).expanduser()
-        if not data_dir.exists():
-            raise UserError(f"data: {data_dir} does not exist (make one with `labavg corpus synth`)")
-        values = {key: getattr(self, name) for name, key in CONTROLS.items()}
-        values.update({"out": str(out), "backend": BACKEND_LABELS[self.backend],
-                       "tensorboard": False, "data.data": str(data_dir), **self.overrides})
-        return validate(with_overrides(TrainConfig(), values))
+        values = self._values(out)
+        cfg = validate(with_overrides(TrainConfig(), values))
+        data = cfg.data
+        check_data_source(data.data, ali=data.ali, ali_dir=data.ali_dir, textgrid=data.textgrid)
+        return cfg
 
     def check(self) -> str | None:
         """What is wrong with the settings as a message, or None when a run could start."""
-        try:
-            self.to_config(Path(self.runs_dir) / "check")
-        except UserError as exc:
-            return str(exc)
-        return None
+        problems = self.problems()
+        return next(iter(problems.values())) if problems else None
 
 
 def describe_config(cfg: dict[str, Any]) -> str:

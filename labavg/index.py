@@ -22,8 +22,10 @@ SUMMARY = "summary.json"
 CONFIG = "config.json"
 
 # Settings that may differ between runs that are still "the same configuration" for speedup.
+# K is among them: the baseline has one rank, whose averaging is a no-op, so a 1-rank run
+# with any K is the baseline of every K.
 PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                 "tensorboard", "watchdog_seconds")
+                 "tensorboard", "watchdog_seconds", "average_every", "average_every_frames")
 
 
 class EventTail:
@@ -161,15 +163,43 @@ def _is_baseline(config: dict[str, Any], summary: dict[str, Any] | None) -> bool
 def find_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """Summary of a finished 1-rank run of the same configuration beside `run_dir`, if any.
 
-    Runs are the same configuration when everything but the parallel settings (ranks,
+    Runs are the same configuration when everything but the parallel settings (ranks, K,
     backend, device, output directory, logging) is equal, the learning rate included: with
     `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
+    `run_dir` need not exist yet (a run about to start looks up its baseline).
     """
     want = comparable_config(config)
     here = Path(run_dir).resolve()
     found = [r.summary for r in list_runs(here.parent)
              if r.path.resolve() != here and _is_baseline(r.config, r.summary)
              and comparable_config(r.summary.get("config", r.config)) == want]
+    return found[-1] if found else None
+
+
+# What changes what a run learns or for how long, but not what a frame costs to train: a
+# throughput compares across them (a wall-time speedup does not: more epochs take longer).
+SCHEDULE_KEYS = ("lr", "final_lr", "lr_scaling", "schedule", "epochs", "seed", "newbob",
+                 "decode_data")
+
+
+def throughput_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without what leaves the cost of a frame alone: equal for runs whose
+    frames per second compare (same model, data, minibatch, optimizer)."""
+    return {k: v for k, v in comparable_config(cfg).items() if k not in SCHEDULE_KEYS}
+
+
+def find_throughput_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """Summary of the finished 1-rank run beside `run_dir` whose frames per second the run's
+    compare with: `find_baseline`'s when there is one, else the latest of the same model,
+    data, minibatch and optimizer (any K, learning rate, schedule or number of epochs)."""
+    same = find_baseline(run_dir, config)
+    if same is not None:
+        return same
+    want = throughput_config(config)
+    here = Path(run_dir).resolve()
+    found = [r.summary for r in list_runs(here.parent)
+             if r.path.resolve() != here and _is_baseline(r.config, r.summary)
+             and throughput_config(r.summary.get("config", r.config)) == want]
     return found[-1] if found else None
 
 
@@ -188,3 +218,65 @@ def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
         if base is not None:
             row["speedup"] = base / row["wall_seconds"]
             row["parallel_efficiency"] = row["speedup"] / row["ranks"]
+
+
+def training_throughput(summary: dict[str, Any]) -> float | None:
+    """Frames per second of a finished run, all ranks: frames trained over rank 0's training
+    time (compute and averaging, as Su & Chen's epoch time; start-up and CV left out)."""
+    seconds = (summary.get("compute_seconds") or 0.0) + (summary.get("comm_seconds") or 0.0)
+    frames = summary.get("frames_trained")
+    return frames / seconds if frames and seconds > 0 else None
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _setting_text(key: str, value: Any) -> str:
+    number = f"{value:g}" if isinstance(value, float) else str(value)
+    named = {"ranks": f"n{value}", "K": f"K={value}", "lr": f"lr {number}",
+             "final_lr": f"final lr {number}" if value is not None else "final lr 0.01 x lr",
+             "model": str(value), "minibatch": f"minibatch {value}",
+             "epochs": f"{value} epoch{'' if value == 1 else 's'}",
+             "optimizer": str(value), "schedule": str(value), "pretrain": f"pretrain {value}",
+             "backend": str(value), "seed": f"seed {value}",
+             "data.data": Path(str(value)).name}
+    return named.get(key, f"{key.split('.')[-1]}={number}")
+
+
+def differing_labels(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """A label per run made of the settings that differ between the runs ("n2 K=50 lr 0.016").
+
+    Ranks, K and learning rate first (what a comparison of averaging varies), then the rest
+    in the config's order; the model shape as one setting ("4x512"), K as trained
+    (`effective_k`). Runs whose settings are all equal are told apart by their names.
+    """
+    skip = {"out", "average_every", "average_every_frames", "model.hidden_layers",
+            "model.hidden_dim"}
+    flat = {}
+    for name, config in configs.items():
+        values = {k: v for k, v in _flat(config).items() if k not in skip}
+        model = config.get("model", {})
+        values.update(K=effective_k(config),
+                      model=f"{model.get('hidden_layers')}x{model.get('hidden_dim')}")
+        flat[name] = values
+    keys: list[str] = []
+    for values in flat.values():
+        keys += [k for k in values if k not in keys]
+    differ = [k for k in keys
+              if len({repr(values.get(k)) for values in flat.values()}) > 1]
+    first = [k for k in ("ranks", "K", "lr") if k in differ]
+    differ = first + [k for k in differ if k not in first]
+    labels = {name: " ".join(_setting_text(k, values.get(k)) for k in differ) or name
+              for name, values in flat.items()}
+    seen: dict[str, int] = {}
+    for label in labels.values():
+        seen[label] = seen.get(label, 0) + 1
+    return {name: label if seen[label] == 1 or label == name else f"{label} ({name})"
+            for name, label in labels.items()}

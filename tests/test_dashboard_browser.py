@@ -8,6 +8,7 @@ tests/artifacts/dashboard.png (and dashboard-runs.png) at 1366x768.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,13 +24,22 @@ ARTIFACTS = REPO / "tests" / "artifacts"
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
+# The bokeh models on the page now: reachable from the documents' roots (a document's
+# all_models keeps the models of replaced plots until it next recomputes them).
+MODELS_JS = """
+  const models = [];
+  for (const doc of window.Bokeh.documents) {
+    for (const root of doc.roots()) models.push(...root.references());
+  }
+"""
+
 # Per rank: how many points the loss plot's data source holds (bokeh ColumnDataSources are
 # named by their columns: "step" + "loss_r<rank>").
 LOSS_POINTS_JS = """
 () => {
-  const counts = {};
-  for (const doc of window.Bokeh.documents) {
-    for (const model of doc.all_models) {
+  const counts = {};""" + MODELS_JS + """
+  {
+    for (const model of models) {
       if (model.constructor.__name__ !== "ColumnDataSource") continue;
       const data = model.data;
       const keys = data instanceof Map ? [...data.keys()] : Object.keys(data);
@@ -53,18 +63,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"panel serve exited with {proc.returncode}: {proc.stdout.read()}")
         try:
-            with urllib.request.urlopen(url, timeout=30) as response:
+            with urllib.request.urlopen(url, timeout=120) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.3)
     raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+# The speedup plot's data: the cost model's points and the run's own (SpeedupPlot's sources).
+SPEEDUP_JS = """
+() => {
+  const out = {};""" + MODELS_JS + """
+  {
+    for (const model of models) {
+      if (model.constructor.__name__ !== "ColumnDataSource") continue;
+      const data = model.data;
+      const get = (k) => data instanceof Map ? data.get(k) : data[k];
+      for (const key of ["measured", "predicted"]) {
+        const ys = get(key), xs = get("ranks");
+        if (ys !== undefined && xs !== undefined) out[key] = [Array.from(xs), Array.from(ys)];
+      }
+    }
+  }
+  return out;
+}
+"""
+
+# The labels of every legend entry on the page.
+LEGENDS_JS = """
+() => {
+  const out = [];""" + MODELS_JS + """
+  {
+    for (const model of models) {
+      if (model.constructor.__name__ !== "LegendItem") continue;
+      const label = model.label;
+      out.push(label !== null && typeof label === "object" ? (label.value ?? label.field) : label);
+    }
+  }
+  return out;
+}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +121,11 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture()
-def served(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, corpus):
     """(url, runs_dir) of `panel serve dashboard/app.py` on a free localhost port."""
     port = _free_port()
-    runs = tmp_path / "runs"
+    runs = tmp_path_factory.mktemp("served") / "runs"
     panel = Path(sys.executable).with_name("panel")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -101,6 +146,35 @@ def served(tmp_path, corpus):
             proc.kill()
 
 
+@pytest.fixture()
+def page(served):
+    """A 1366 x 768 headless chromium page on the served dashboard; fails on page errors."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed "
+                                   "(run scripts/install-browser.sh)")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    url, _ = served
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1366, "height": 768})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            # Console errors too ("No such formatter found" is one), but not the template's
+            # web fonts, which an offline machine cannot fetch.
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error"
+                    and not msg.text.startswith("Failed to load resource") else None)
+            page.goto(url, timeout=180000)
+            page.get_by_role("button", name="Start").wait_for(timeout=180000)
+            _wait_for(lambda: page.evaluate("() => !!(window.Bokeh && window.Bokeh.documents.length)"),
+                      60, "the bokeh document")
+            yield page
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,67 +185,172 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def _set_number(page, label: str, value: int) -> None:
+def _set_number(page, label: str, value) -> None:
     box = page.get_by_label(label, exact=True)
     box.fill(str(value))
     box.press("Enter")
 
 
-def _run_once(page, ranks: int) -> dict[str, int]:
+def _set_text(page, label: str, value: str) -> None:
+    box = page.get_by_label(label, exact=True)
+    box.fill(value)
+
+
+def _start_disabled(page) -> bool:
+    return page.get_by_role("button", name="Start").is_disabled()
+
+
+def _on_screen(page) -> str | None:
+    found = page.get_by_text("On screen:")
+    if not found.count():
+        return None
+    match = re.search(r"On screen: (\S+)", found.first.inner_text())
+    return match.group(1) if match else None
+
+
+def _start(page) -> str:
+    """Click Start; the name of the run that then comes on screen."""
+    before = _on_screen(page)
     page.get_by_role("button", name="Start").click()
-    # The loss plot holds points for every rank once the run is on.
-    counts = _wait_for(
-        lambda: (lambda c: c if len(c) == ranks and min(c.values()) > 0 else None)(page.evaluate(LOSS_POINTS_JS)),
-        60, f"loss points of {ranks} ranks")
-    _wait_for(lambda: "Finished" in page.get_by_text("Finished:").first.inner_text()
-              if page.get_by_text("Finished:").count() else False, 90, "the run to finish")
-    return counts
+    def new_name():
+        name = _on_screen(page)
+        return name if name and name != before else None
+
+    return _wait_for(new_name, 60, "the new run on screen")
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
-def test_dashboard_in_browser(served):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed "
-                                   "(run scripts/install-browser.sh)")
-    url, runs = served
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1366, "height": 768})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(url)
-            page.get_by_role("button", name="Start").wait_for(timeout=30000)
-            _wait_for(lambda: page.evaluate("() => !!(window.Bokeh && window.Bokeh.documents.length)"),
-                      30, "the bokeh document")
+def _status(page) -> str:
+    found = page.locator("p", has_text="On screen:")
+    return found.first.inner_text() if found.count() else ""
 
-            # Run 1: 2 ranks, K = 3.
-            _set_number(page, "ranks", 2)
-            _set_number(page, "K (average every)", 3)
-            _set_number(page, "hidden layers", 1)
-            _set_number(page, "hidden units", 64)
-            counts = _run_once(page, ranks=2)
-            assert set(counts) == {"0", "1"}
 
-            # Run 2: K changed (and 3 ranks); the plots start again with a curve per rank.
-            _set_number(page, "ranks", 3)
-            _set_number(page, "K (average every)", 7)
-            counts = _run_once(page, ranks=3)
-            assert set(counts) == {"0", "1", "2"}
-            on_screen = page.get_by_text("On screen:").first.inner_text()
-            assert "K=7" in on_screen and "3 ranks" in on_screen
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+def _finish(page, name: str, ranks: int) -> dict[str, int]:
+    try:
+        _wait_for(lambda: page.get_by_text(f"Finished: {name}").count() > 0, 240, f"{name} to finish")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the status says: {_status(page)}") from None
+    # The loss plot holds points for every rank of the run, and for no other rank.
+    def counts():
+        found = page.evaluate(LOSS_POINTS_JS)
+        return found if len(found) == ranks and min(found.values()) > 0 else None
 
-            # The runs table lists both configurations.
-            page.locator(".bk-tab", has_text="Runs").click()
-            rows = page.locator(".tabulator-row")
-            _wait_for(lambda: rows.count() >= 2, 20, "two rows in the runs table")
-            texts = [rows.nth(i).inner_text() for i in range(rows.count())]
-            assert any("-n2-k3" in t for t in texts), texts
-            assert any("-n3-k7" in t for t in texts), texts
-            page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
-            assert not errors, errors
-        finally:
-            browser.close()
+    return _wait_for(counts, 60, f"loss points of {ranks} ranks")
+
+
+def _message_below(page, label: str, text: str) -> None:
+    """`text` is shown, right under the box labelled `label` and as wide as its column."""
+    message = page.get_by_text(text, exact=False).first
+    _wait_for(lambda: message.is_visible(), 30, f"the message {text!r}")
+    box = page.get_by_label(label, exact=True).bounding_box()
+    where = message.bounding_box()
+    assert 0 <= where["y"] - (box["y"] + box["height"]) < 30, (box, where)
+    assert abs(where["x"] - box["x"]) < 30, (box, where)
+
+
+def test_widgets_say_what_is_wrong_next_to_them_and_start_waits(page, tmp_path, corpus):
+    assert not _start_disabled(page)
+    _set_number(page, "ranks", 0)
+    _message_below(page, "ranks", "ranks must be positive; got 0")
+    _wait_for(lambda: _start_disabled(page), 30, "Start to be disabled")
+    _set_number(page, "learning rate", -0.1)
+    _message_below(page, "learning rate", "lr must be positive and finite; got -0.1")
+    # The typed values stay in their boxes (nothing puts the old value back on blur).
+    page.get_by_label("hidden units", exact=True).click()
+    assert page.get_by_label("ranks", exact=True).input_value() == "0"
+    page.screenshot(path=str(ARTIFACTS / "dashboard-invalid.png"))
+    _set_number(page, "ranks", 2)
+    _set_number(page, "learning rate", 0.008)
+    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+    assert page.get_by_text("must be positive").count() == 0
+
+    # A folder that is not a corpus: one short message, as it is typed.
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    for i in range(60):
+        (folder / f"file{i:02d}.txt").write_text("")
+    _set_text(page, "data directory", str(folder))
+    _message_below(page, "data directory", "not a Kaldi data directory")
+    text = page.get_by_text("not a Kaldi data directory").first.inner_text()
+    assert "(60 in all)" in text and text.count("file") <= 3, text
+    assert _start_disabled(page)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-invalid-data.png"))
+    _set_text(page, "data directory", str(corpus))
+    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    _set_text(page, "runs directory", str(blocker / "runs"))
+    _message_below(page, "runs directory", "is a file, not a directory")
+    assert _start_disabled(page)
+
+
+def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
+    _, runs = served
+    _set_number(page, "hidden layers", 1)
+    _set_number(page, "hidden units", 64)
+    _set_number(page, "minibatch", 64)
+    _set_number(page, "epochs", 1)
+    _set_number(page, "context", 2)
+
+    # Run 1: 2 ranks, K = 3, and no 1-rank run yet: the page says so instead of a number.
+    _set_number(page, "ranks", 2)
+    _set_number(page, "K (average every)", 3)
+    first = _start(page)
+    counts = _finish(page, first, ranks=2)
+    assert set(counts) == {"0", "1"}
+    assert page.get_by_text("No speedup yet: no finished 1-rank run").count()
+    assert page.evaluate(SPEEDUP_JS)["measured"] == [[], []]
+
+    # Run 2: the 1-rank baseline (same model and data).
+    _set_number(page, "ranks", 1)
+    second = _start(page)
+    _finish(page, second, ranks=1)
+    assert page.get_by_text("This 1-rank run is the baseline").count()
+
+    # Run 3: 2 ranks with another K; measured against run 2 while it trains.
+    _set_number(page, "ranks", 2)
+    _set_number(page, "K (average every)", 7)
+    _set_number(page, "epochs", 5)  # long enough to be seen while it trains
+    third = _start(page)
+    speedup = page.get_by_text(re.compile(r"Speedup \d+\.\d\d×, efficiency \d+ %"))
+    _wait_for(lambda: speedup.count() > 0, 120, "the live speedup")
+    page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"))  # while it trains, mostly
+    _finish(page, third, ranks=2)
+    line = page.locator("p", has=speedup.first).first.inner_text()
+    assert f"1-rank run {second}" in line and "its K, lr and epochs may differ" in line, line
+    value = float(re.search(r"Speedup (\d+\.\d\d)×", line).group(1))
+    data = page.evaluate(SPEEDUP_JS)
+    assert data["measured"][0] == [2] and data["measured"][1][0] == pytest.approx(value, abs=0.006)
+    assert data["predicted"][0] == [1, 2, 4, 8, 16, 32, 64] and data["predicted"][1][0] == 1
+    on_screen = page.get_by_text("On screen:").first.inner_text()
+    assert "K=7" in on_screen and "2 ranks" in on_screen
+    page.screenshot(path=str(ARTIFACTS / "dashboard.png"))
+
+    # The runs table: every run, numbers formatted, results on screen without scrolling.
+    page.locator(".bk-tab", has_text="Runs").click()
+    rows = page.locator(".tabulator-row")
+    _wait_for(lambda: rows.count() >= 3, 60, "three rows in the runs table")
+    texts = [rows.nth(i).inner_text() for i in range(rows.count())]
+    for name in (first, second, third):
+        assert any(name in t for t in texts), (name, texts)
+    cells = " ".join(texts)
+    assert "NaN" not in cells and "null" not in cells, cells
+    assert not re.search(r"\d\.\d{6,}", cells), cells
+    page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
+    table = page.locator(".tabulator").first.bounding_box()
+    for title in ("WER %", "PER %", "CV acc %", "speedup"):
+        header = page.locator(".tabulator-col", has_text=title).first.bounding_box()
+        assert header["x"] + header["width"] <= min(1366, table["x"] + table["width"]) + 1, title
+
+    # Overlay runs 1 and 3: the legends name what differs (K and epochs), not when they ran.
+    for i, t in enumerate(texts):
+        if first in t or third in t:
+            rows.nth(i).locator("input[type=checkbox]").first.click()
+    wanted = {"K=3 1 epoch", "K=7 5 epochs"}
+    _wait_for(lambda: wanted <= set(page.evaluate(LEGENDS_JS)), 60, f"legends {wanted}")
+    page.mouse.move(850, 500)
+    page.mouse.wheel(0, 400)  # the plots are drawn on canvases: no text to scroll to
+    time.sleep(1)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-overlay.png"))
     run_dirs = sorted(p.name for p in runs.iterdir())
-    assert len(run_dirs) == 2 and all((runs / d / "summary.json").is_file() for d in run_dirs)
+    assert len(run_dirs) == 3 and all((runs / d / "summary.json").is_file() for d in run_dirs)

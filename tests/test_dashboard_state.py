@@ -18,9 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dashboard.live import LiveRun, RankSeries, RunBuffers
 from dashboard.runs_table import RunTable
-from dashboard.settings import RunSettings, describe_config
-from labavg.index import EventTail
+from dashboard.settings import (
+    BACKEND_LABELS,
+    CONTROLS,
+    GENERAL,
+    RunSettings,
+    describe_config,
+)
+from dashboard.settings import _default as _setting_default
+from labavg.config import TrainConfig, preset_config, validate, with_overrides
 from labavg.errors import UserError
+from labavg.index import EventTail, training_throughput
 
 
 @pytest.fixture(scope="module")
@@ -53,36 +61,100 @@ def run_to_end(live: LiveRun, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def finished_runs(corpus, tmp_path_factory):
-    """A 1-rank and a 3-rank run of the same configuration, run through LiveRun."""
+    """A 1-rank run (K=2) and a 3-rank run (K=4) of the same model and data, through LiveRun."""
     runs = tmp_path_factory.mktemp("runs")
     lives = []
-    for ranks in (1, 3):
+    for ranks, k in ((1, 2), (3, 4)):
         live = LiveRun()
-        assert live.start(tiny_settings(corpus, runs, ranks=ranks)), live.status
+        assert live.start(tiny_settings(corpus, runs, ranks=ranks, average_every=k)), live.status
         run_to_end(live)
         lives.append(live)
         time.sleep(1.01)  # run directories are named by the second
     return runs, lives
 
 
-def test_bounds_reject_bad_ranks_and_k_with_a_message():
-    settings = RunSettings()
-    with pytest.raises(ValueError, match="ranks.*at least 1"):
-        settings.ranks = 0
-    with pytest.raises(ValueError, match="average_every.*at least 1"):
-        settings.average_every = 0
-    with pytest.raises(ValueError, match="lr"):
-        settings.lr = 0.0
-    assert (settings.ranks, settings.average_every) == (2, 10)  # unchanged
+def _cli_words(key: str, value) -> str:
+    """What `labavg train` says about one bad value (validate's message, which the CLI prints)."""
+    with pytest.raises(UserError) as info:
+        validate(with_overrides(TrainConfig(), {key: value}))
+    return str(info.value)
 
 
-def test_invalid_settings_become_a_message_not_a_crash(corpus, tmp_path):
+def test_bad_values_are_kept_and_named_in_the_clis_words(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path / "runs")
+    assert settings.errors == {} and settings.check() is None
+    settings.param.update(ranks=0, average_every=0, lr=-0.1)
+    # The typed values stay (nothing puts the old ones back) and each has its message.
+    assert (settings.ranks, settings.average_every, settings.lr) == (0, 0, -0.1)
+    assert settings.errors == {"ranks": _cli_words("ranks", 0),
+                               "average_every": _cli_words("average_every", 0),
+                               "lr": _cli_words("lr", -0.1)}
+    assert settings.errors["ranks"] == "ranks must be positive; got 0"
+    live = LiveRun()
+    assert live.start(settings) is False and not live.running
+    assert live.status == "Cannot start: ranks must be positive; got 0"
+    settings.param.update(ranks=2, average_every=3, lr=0.01)
+    assert settings.errors == {}
+    settings.final_lr = None  # an emptied optional box means the default
+    settings.minibatch = None  # an emptied box of a required one does not
+    assert settings.errors == {"minibatch": "minibatch must be positive; got None"}
+
+
+def test_settings_that_contradict_each_other_are_one_general_message(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path / "runs", minibatch=4096)
+    assert settings.errors == {GENERAL: "data.buffer_frames (2048) must be at least the minibatch (4096)"}
+
+
+def test_defaults_are_train_configs_and_a_preset_changes_only_what_is_trained(corpus):
+    settings = RunSettings(data=str(corpus))
+    for name, key in CONTROLS.items():
+        if name != "data":
+            assert getattr(settings, name) == _setting_default(key), name
+    assert BACKEND_LABELS[settings.backend] == TrainConfig().backend
+    settings.param.update(ranks=3, average_every=7, epochs=9)
+    settings.preset = "teaching"
+    teaching = preset_config("teaching")
+    assert (settings.hidden_layers, settings.hidden_dim, settings.epochs) == (
+        teaching.model.hidden_layers, teaching.model.hidden_dim, teaching.epochs)
+    assert (settings.ranks, settings.average_every) == (3, 7)  # what a comparison varies stays
+    assert settings.to_config("x").model == teaching.model
+    settings.preset = "defaults"
+    assert (settings.hidden_layers, settings.epochs) == (TrainConfig().model.hidden_layers,
+                                                         TrainConfig().epochs)
+
+
+def test_data_and_runs_directories_are_checked_before_a_run_with_one_short_line(corpus, tmp_path):
     settings = tiny_settings(tmp_path / "missing", tmp_path / "runs")
-    assert "missing" in settings.check() and "does not exist" in settings.check()
+    assert "missing" in settings.errors["data"] and "not found" in settings.errors["data"]
     live = LiveRun()
     assert live.start(settings) is False
     assert live.status.startswith("Cannot start:") and "missing" in live.status
     assert not live.running and not (tmp_path / "runs").exists()
+
+    # A folder that is not a corpus: one line naming it, not its 60 files.
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    for i in range(60):
+        (folder / f"file{i:02d}.txt").write_text("")
+    settings.data = str(folder)
+    message = settings.errors["data"]
+    assert message.startswith(f"{folder}: no feats.scp") and "not a Kaldi data directory" in message
+    assert "(60 in all)" in message and message.count("file") <= 3 and len(message) < 300
+    settings.data = str(corpus)
+    assert settings.errors == {}
+
+    # A runs directory that cannot be made (a file is in the way): its own message, no run.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    settings.runs_dir = str(blocker / "runs")
+    assert settings.errors == {"runs_dir": f"runs directory {str(blocker / 'runs')!r} cannot be "
+                                           f"created: {blocker} is a file, not a directory"}
+    assert live.start(settings) is False and "is a file, not a directory" in live.status
+    settings.runs_dir = str(blocker)
+    assert "is an existing file" in settings.errors["runs_dir"]
+
+
+def test_invalid_settings_become_a_message_not_a_crash(corpus, tmp_path):
 
     bad = tiny_settings(corpus, tmp_path / "runs", overrides={"data.cv_fraction": 1.5})
     assert "data.cv_fraction must be in [0, 1)" in bad.check()
@@ -105,7 +177,7 @@ def test_to_config_maps_every_control(corpus, tmp_path):
 
 
 def test_live_run_fills_every_ranks_buffers(finished_runs):
-    runs, (one, three) = finished_runs
+    _, (_, three) = finished_runs
     buffers = three.buffers
     assert buffers.ranks == 3
     steps = buffers.finished["step"]
@@ -120,13 +192,64 @@ def test_live_run_fills_every_ranks_buffers(finished_runs):
     assert len(rows) == steps and len(rows[0]) == 5
     assert rows[0][4] == pytest.approx(sum(rows[0][1:4]) / 3)
     assert three.status.startswith("Finished:") and three.summary["ranks"] == 3
-    assert three.config["ranks"] == 3 and "K=2" in describe_config(three.config)
+    assert three.config["ranks"] == 3 and "K=4" in describe_config(three.config)
     assert (Path(three.run_dir) / "summary.json").is_file()
+
+
+def test_live_speedup_is_throughput_against_the_1_rank_run_of_any_k(finished_runs):
+    _, (one, three) = finished_runs
+    first = one.speedup()
+    assert first.speedup is None and first.note.startswith("This 1-rank run is the baseline")
+    assert first.predicted_from == "this run" and first.predicted[0] == (1, 1.0)
+
+    # The 3-rank run (K=4) found the 1-rank run (K=2) when it started: K means nothing for one rank.
+    assert three.baseline is not None and three.baseline["ranks"] == 1
+    speedup = three.speedup()
+    base_fps = one.summary["frames_trained"] / (one.summary["compute_seconds"] + one.summary["comm_seconds"])
+    assert speedup.baseline_frames_per_second == pytest.approx(base_fps)
+    assert speedup.baseline_name == Path(one.run_dir).name and speedup.note == ""
+    # What the run measured live, round by round, is what its summary says in the end.
+    assert speedup.frames_per_second == pytest.approx(training_throughput(three.summary), rel=1e-3)
+    assert speedup.speedup == pytest.approx(speedup.frames_per_second / base_fps)
+    assert speedup.efficiency == pytest.approx(speedup.speedup / 3)
+    ranks = [p for p, _ in speedup.predicted]
+    values = [v for _, v in speedup.predicted]
+    assert ranks == [1, 2, 4, 8, 16, 32, 64] and values[0] == pytest.approx(1.0)
+    assert values == sorted(values) and values[-1] < 64
+    assert speedup.predicted_from == f"1-rank run {Path(one.run_dir).name}" and speedup.K == 4
+
+
+def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, corpus, tmp_path):
+    pytest.importorskip("holoviews")
+    import holoviews as hv
+
+    from dashboard.components import LivePlots
+
+    _, (_, three) = finished_runs
+    live = LiveRun()
+    plots = LivePlots(live)
+    live.follow(three.run_dir)
+    live.drain()
+    for _ in range(5):
+        plots.update()
+    hv.renderer("bokeh").get_plot(plots.panes["loss"].object)  # as a page shows it
+    [source] = plots.loss.sources["loss_r0"]
+    assert len(source.data["loss_r0"]) == three.buffers.finished["step"]
+    assert live.start(tiny_settings(corpus, tmp_path, ranks=3)), live.status
+    try:
+        # No drain and no update yet: starting alone emptied the plots.
+        assert len(plots.loss.data) == 0 and len(source.data["loss_r0"]) == 0
+        assert len(plots.cv_pipe.data) == 0
+    finally:
+        run_to_end(live)
 
 
 def test_stop_ends_the_run_early(corpus, tmp_path):
     live = LiveRun()
     assert live.start(tiny_settings(corpus, tmp_path, epochs=50))
+    assert live.status.startswith("Starting ") and "reading the data" in live.status
+    # Alone in its runs directory, a 2-rank run has nothing to be measured against.
+    assert live.speedup().note.startswith("No speedup yet: no finished 1-rank run")
     deadline = time.monotonic() + 60
     while live.buffers.last_step < 4:
         assert time.monotonic() < deadline and live.running, live.status
@@ -160,7 +283,8 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     table = RunTable(runs_dir=str(runs))
     rows = table.refresh()
     assert [r["ranks"] for r in rows] == [1, 3]
-    assert all(r["status"] == "finished" and r["K"] == 2 and r["model"] == "1x32" for r in rows)
+    assert all(r["status"] == "finished" and r["model"] == "1x32" for r in rows)
+    assert [r["K"] for r in rows] == [2, 4]
     assert rows[1]["speedup"] == pytest.approx(one.summary["wall_seconds"] / three.summary["wall_seconds"])
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 3)
     assert [p["ranks"] for p in table.scaling()] == [1, 3]
@@ -168,6 +292,11 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     table.selected = [r["run"] for r in rows]
     curves = table.overlay()
     assert set(curves) == set(table.selected)
+    # Legends say what differs between the runs, not when they ran.
+    assert [curves[r["run"]]["label"] for r in rows] == ["n1 K=2", "n3 K=4"]
+    divergence = curves[rows[1]["run"]]["divergence"]
+    assert len(divergence) == len(three.buffers.divergence.points[0]) and max(divergence) > 0
+    assert curves[rows[1]["run"]]["div_frames"][0] == 4 * 64 * 3  # first round: K x minibatch x ranks
     for row, live in zip(rows, (one, three)):
         c = curves[row["run"]]
         assert len(c["loss"]) == live.buffers.finished["step"]
@@ -181,7 +310,7 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
 
 
 def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_path):
-    runs, (_, three) = finished_runs
+    _, (_, three) = finished_runs
     source = Path(three.run_dir)
     lines = (source / "events.jsonl").read_bytes().splitlines(keepends=True)
     target = tmp_path / "followed"
@@ -246,7 +375,7 @@ def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     pytest.importorskip("holoviews")
     from dashboard.components import LivePlots
 
-    runs, (_, three) = finished_runs
+    _, (_, three) = finished_runs
     live = LiveRun(maxlen=10)
     live.follow(three.run_dir)
     plots = LivePlots(live, maxlen=10)
@@ -276,10 +405,12 @@ def test_labavg_dashboard_command_serves_the_app(tmp_path):
                              str(port), "--runs-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline, page = time.monotonic() + 90, None
+        # A page takes 10-20 s to build on this 2-core machine under load: a shorter wait per
+        # request would give up on every one (each retry a new session to build).
+        deadline, page = time.monotonic() + 240, None
         while time.monotonic() < deadline and page is None:
             try:
-                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/app", timeout=10).read()
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/app", timeout=120).read()
             except OSError:
                 time.sleep(0.5)
         assert page is not None, "the dashboard did not answer"
@@ -304,3 +435,22 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
     from labavg.runs import format_table
 
     assert "| 1 | 4 |" in format_table([{"run": "r", **live.summary}])
+
+
+def test_mpi_engines_say_they_are_starting_until_they_train(corpus, tmp_path):
+    pytest.importorskip("ipyparallel", reason="the MPI-engines backend needs ipyparallel")
+    pytest.importorskip("mpi4py")
+    live = LiveRun()
+    assert live.start(tiny_settings(corpus, tmp_path, backend="MPI engines")), live.status
+    assert live.status.startswith("Starting 2 MPI engines for ") and "the plots fill" in live.status
+    seen = {live.status.split(" ")[0]}
+    deadline = time.monotonic() + 300
+    while live.running:
+        assert time.monotonic() < deadline, live.status
+        live.drain()
+        seen.add(live.status.split(" ")[0])
+        time.sleep(0.05)
+    live.drain()
+    # Until the first step arrives the page says the engines are starting, then what runs.
+    assert live.status.startswith("Finished:"), live.status
+    assert {"Starting", "Finished:"} <= seen and live.summary["ranks"] == 2

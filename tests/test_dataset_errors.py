@@ -99,7 +99,7 @@ def test_missing_data_dir_and_feats_scp(tmp_path):
         open_dataset(tmp_path / "nowhere")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "text").write_text("")
-    with pytest.raises(DataError, match=r"no feats.scp \(files there: \['text'\]\)"):
+    with pytest.raises(DataError, match=r"no feats.scp \(files there: 'text'\)"):
         open_dataset(tmp_path / "d")
 
 

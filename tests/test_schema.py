@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from labavg.config import TrainConfig, cli_flags, setting_field, validate, with_overrides
+from labavg.config import (PRESETS, TrainConfig, check_setting, cli_flags, preset_config,
+                           setting_field, validate, with_overrides)
 from labavg.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,9 +45,12 @@ def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
 
     settings = RunSettings(data=str(tmp_path))
     for name, key in CONTROLS.items():
-        rule = setting_field(key).metadata["rule"]
+        field = setting_field(key)
+        rule = field.metadata["rule"]
         parameter = settings.param[name]
-        assert parameter.doc == setting_field(key).metadata["help"]
+        assert parameter.doc == field.metadata["help"]
+        if key != "data.data":  # the data directory comes from the page's --data
+            assert parameter.default == field.default, name  # labavg train's default
         if rule is not None and rule.choices:
             assert list(parameter.objects) == list(rule.choices), name
             for choice in rule.choices:  # each one the form offers, validate takes
@@ -54,7 +58,38 @@ def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
             with pytest.raises(UserError):
                 validate(with_overrides(TrainConfig(), {key: "no-such-" + name}))
         elif rule is not None and rule.low is not None:
-            assert parameter.bounds[0] == rule.low, name
-    with pytest.raises(ValueError, match="hidden_layers"):
-        settings.hidden_layers = -1  # the schema's lower bound (0 hidden layers is allowed)
-    settings.hidden_layers = 0
+            # Below the bound, the form keeps the value and says what validate would say.
+            low = rule.low - 1 if isinstance(field.default, int) else rule.low - 0.5
+            setattr(settings, name, low)
+            with pytest.raises(UserError) as info:
+                validate(with_overrides(TrainConfig(), {key: low}))
+            assert settings.errors[name] == check_setting(key, low) == str(info.value), name
+            setattr(settings, name, field.default)
+            assert name not in settings.errors, name
+    settings.hidden_layers = -1
+    assert settings.errors["hidden_layers"] == "model.hidden_layers must be >= 0; got -1"
+    settings.hidden_layers = 0  # the schema's lower bound (0 hidden layers is allowed)
+    assert "hidden_layers" not in settings.errors
+
+
+def test_check_setting_speaks_for_one_value_as_validate_does():
+    assert check_setting("ranks", 0) == "ranks must be positive; got 0"
+    assert check_setting("ranks", 4) is None
+    assert check_setting("lr", float("nan")) == "lr must be positive and finite; got nan"
+    assert check_setting("ranks", "two") == "ranks: 'two' is not a valid int"
+    assert check_setting("final_lr", None) is None  # optional: None is its default
+    assert check_setting("optimizer", "adam") == "optimizer must be one of sgd, ngsgd; got 'adam'"
+    assert check_setting("no.such", 1) == "unknown setting 'no.such'"
+
+
+def test_presets_are_overrides_of_the_defaults():
+    for name, overrides in PRESETS.items():
+        cfg = validate(preset_config(name))
+        for key, value in overrides.items():
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == value, (name, key)
+        assert "ranks" not in overrides and "average_every" not in overrides  # they pair for speedups
+    with pytest.raises(UserError, match="unknown preset 'x'; known presets: teaching"):
+        preset_config("x")

@@ -95,23 +95,59 @@ def load_checked(features: MatrixTable, key: str, feat_dim: int | None) -> np.nd
     return feats
 
 
-def open_features(data: PathLike) -> tuple[MatrixTable, Path | None]:
-    """The feature table and the data dir (None when `data` is an rspecifier or a file)."""
+def _feature_source(data: PathLike) -> tuple[str, Path | None]:
+    """(rspecifier of the features, data dir or None), or DataError saying what `data` lacks."""
     text = str(data)
     if Path(text).is_dir():
         data_dir = Path(text)
         feats = data_dir / "feats.scp"
         if not feats.is_file():
+            # A few names are enough to recognise the wrong folder; a long list would bury
+            # the message (a home directory holds hundreds).
             present = sorted(p.name for p in data_dir.iterdir())
-            raise DataError(f"{data_dir}: no feats.scp (files there: {present}); run the "
-                            "recipe's feature extraction (steps/make_mfcc.sh) first")
-        return MatrixTable.open(f"scp:{feats}"), data_dir
+            there = f"files there: {list_first(present, 2)}" if present else "it is empty"
+            raise DataError(f"{data_dir}: no feats.scp ({there}): not a Kaldi data directory "
+                            "or built-in corpus; make one with `labavg corpus synth DIR` or "
+                            "steps/make_mfcc.sh")
+        return f"scp:{feats}", data_dir
     if is_rspecifier(text):
-        return MatrixTable.open(text), None
+        return text, None
     if Path(text).is_file() and text.endswith((".scp", ".ark")):
-        return MatrixTable.open(text), None
+        return text, None
     raise DataError(f"data {text!r} not found: give a Kaldi data dir (with feats.scp) or an "
                     f"rspecifier such as scp:data/train/feats.scp (looked in {Path.cwd()})")
+
+
+def open_features(data: PathLike) -> tuple[MatrixTable, Path | None]:
+    """The feature table and the data dir (None when `data` is an rspecifier or a file)."""
+    spec, data_dir = _feature_source(data)
+    return MatrixTable.open(spec), data_dir
+
+
+def _label_source(data: PathLike, data_dir: Path | None, ali: str | None,
+                  ali_dir: PathLike | None, textgrid: PathLike | dict | None) -> str:
+    """Which alignment source open_dataset reads ("ali", "ali_dir", "textgrid", "pdf_ali")."""
+    sources = [name for name, value in (("ali", ali), ("ali_dir", ali_dir),
+                                        ("textgrid", textgrid)) if value is not None]
+    if len(sources) > 1:
+        raise DataError(f"give one alignment source, not {' and '.join(sources)}")
+    if sources:
+        return sources[0]
+    if data_dir is not None and (data_dir / "pdf_ali.ark").is_file():
+        return "pdf_ali"
+    raise DataError(f"no alignments for {data}: pass ali_dir=<exp/x_ali> (ali.*.gz + "
+                    "final.mdl), ali=<rspecifier of pdf ids> or textgrid=<TextGrids>")
+
+
+def check_data_source(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | None = None,
+                      textgrid: PathLike | dict | None = None) -> None:
+    """DataError when `data` cannot be opened as training data, found without reading it.
+
+    The checks `open_dataset` makes first (features and one alignment source present), with
+    its messages: cheap enough to run on every keystroke of a form, and before a run starts.
+    """
+    _, data_dir = _feature_source(data)
+    _label_source(data, data_dir, ali, ali_dir, textgrid)
 
 
 def open_cmvn(data_dir: Path | None, cmvn: PathLike | None, allow_pipes: bool = False
@@ -242,10 +278,8 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
     features, data_dir = open_features(data)
     stats = open_cmvn(data_dir, cmvn, allow_pipes) if apply_cmvn else None
 
-    sources = [name for name, value in (("ali", ali), ("ali_dir", ali_dir),
-                                        ("textgrid", textgrid)) if value is not None]
-    if len(sources) > 1:
-        raise DataError(f"give one alignment source, not {' and '.join(sources)}")
+    source = _label_source(data, data_dir, ali, ali_dir, textgrid)
+    sources = [] if source == "pdf_ali" else [source]
     pdf_source = ""
     table: list[str] | None = None
     pdfs: dict[str, np.ndarray] | None = None
@@ -266,11 +300,8 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
             for path in labels_from.values():
                 names |= {label for _, _, label in read_phone_intervals(path)[0]}
             table = build_phone_table(names)
-    elif data_dir is not None and (data_dir / "pdf_ali.ark").is_file():
-        pdfs = read_int_vectors(f"ark:{data_dir / 'pdf_ali.ark'}")
     else:
-        raise DataError(f"no alignments for {data}: pass ali_dir=<exp/x_ali> (ali.*.gz + "
-                        "final.mdl), ali=<rspecifier of pdf ids> or textgrid=<TextGrids>")
+        pdfs = read_int_vectors(f"ark:{data_dir / 'pdf_ali.ark'}")
 
     if num_pdfs is not None and not pdf_source:
         pdf_source = "the num_pdfs argument"
