@@ -336,16 +336,16 @@ def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
         elif rel.high < paper_rel[n]:
             word = "agrees: loses less"
         else:
-            word = "agrees"
+            word = "consistent (within noise)"
         paper_cell = f"{paper}" + ("" if n == 1 else f" ({paper_rel[n]:+.1f} %)")
         out.append(
             f"| {n} | {_seeds(here)} | {'-' if updates is None else f'{updates.mean:,.0f}'} | "
             f"{_mean_sd(_stat(here, 'wer'))} | {_ci_of_runs(here)} | {_mean_sd(_stat(here, 'per'))} | "
             f"{_mean_sd(_stat(here, 'cv_frame_accuracy'))} | {_percent(_trace_stat(here, 'max_change_limited'))} | "
             f"{'-' if n == 1 else _interval(rel, 1)} | {paper_cell} | {word} |")
-    out += ["", "A row agrees when the paper's relative WER change lies inside the interval or "
-            "above it (averaging costs no more than in the paper); it disagrees when the whole "
-            "interval lies above the paper's change."]
+    out += ["", "A row agrees when the whole interval lies below the paper's relative WER change "
+            "(averaging costs less than in the paper), disagrees when it lies above it, and is "
+            "consistent (within noise) when the paper's change is inside it."]
     return out
 
 
