@@ -206,20 +206,23 @@ def speedup_text(speedup: Speedup, summary: dict[str, Any] | None = None) -> str
     """One or two lines on the Live tab: the speedup as measured so far and the prediction."""
     if speedup.speedup is not None:
         head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
-                f"— {speedup.ranks} ranks: {speedup.frames_per_second:,.0f} frames/s; 1-rank run "
-                f"`{speedup.baseline_name}`: {speedup.baseline_frames_per_second:,.0f} frames/s "
-                "(over training time; its K, lr and epochs may differ).")
+                f"— {speedup.frames_per_second:,.0f} frames/s on {speedup.ranks} ranks vs "
+                f"{speedup.baseline_frames_per_second:,.0f} on 1-rank run `{speedup.baseline_name}` "
+                "(training time; any K, lr, epochs).")
     elif speedup.note:
         head = f"**Speedup: -** {speedup.note}"
     else:
         head = "**Speedup: -**"
-    if summary and summary.get("speedup") is not None:
-        head += f" Wall-time speedup with start-up and CV (labavg info): {summary['speedup']:.2f}×."
+    more = []
     predicted = dict(speedup.predicted)
     if predicted:
         shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in (8, 32) if p in predicted)
-        head += (f"  \nCost model ({PREDICTION_NETWORK.name} cluster, one rank per machine, "
-                 f"K={speedup.K}, costs of {speedup.predicted_from}): {shown} ranks.")
+        more.append(f"Cost model ({PREDICTION_NETWORK.name}, a rank per machine, K={speedup.K}, "
+                    f"{speedup.predicted_from}'s costs): {shown} ranks.")
+    if summary and summary.get("speedup") is not None:
+        more.append(f"Wall time with start-up and CV (labavg info): {summary['speedup']:.2f}×.")
+    if more:
+        head += "  \n" + " ".join(more)
     return head
 
 

@@ -180,7 +180,7 @@ def describe_config(cfg: dict[str, Any]) -> str:
     backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.get("backend"), cfg.get("backend"))
     return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · "
             f"{cfg.get('optimizer')} {lr} ({cfg.get('schedule')}) · pretrain {cfg.get('pretrain')} · "
-            f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epochs · "
+            f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epoch{'' if cfg.get('epochs') == 1 else 's'} · "
             f"{model.get('hidden_layers')}×{model.get('hidden_dim')} · data {Path(str(data.get('data'))).name}")
 
 
