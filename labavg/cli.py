@@ -102,13 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser(
         "reproduce", help="the regime map and the paper's comparisons, into REPRODUCTION.md",
         description="Run the sweeps of experiments/ (paper.toml: the paper's comparisons, decoded; "
-        "regime.toml: the regime map; yesno.toml with --yesno), measure 1 vs 2 MPI ranks, and write "
-        "the report and its figure. Resumable: finished runs are reused.",
+        "regime.toml: the regime map; explain.toml: the experiments behind each disagreement; "
+        "yesno.toml with --yesno), measure 1 vs 2 MPI ranks, and write the report, its figure and "
+        "experiments/reproduction-results.jsonl. Resumable: finished runs are reused.",
     )
     rep.add_argument("--out", default="runs", help="experiment directory (default runs: "
-                     "runs/paper, runs/regime, runs/yesno, runs/mpi)")
+                     "runs/paper, runs/regime, runs/explain, runs/yesno, runs/mpi)")
     rep.add_argument("--experiments", default="experiments",
-                     help="directory of paper.toml, regime.toml, yesno.toml (default experiments)")
+                     help="directory of the sweep files (default experiments)")
     rep.add_argument("--yesno", help="path of a Kaldi yesno recipe directory (kaldi-yesno)")
     rep.add_argument("--report", default="REPRODUCTION.md", help="report to write")
     rep.add_argument("--figure", help="regime map PNG (default docs/figures/regime-map.png beside "
