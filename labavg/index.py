@@ -228,11 +228,12 @@ def training_throughput(summary: dict[str, Any]) -> float | None:
     return frames / seconds if frames and seconds > 0 else None
 
 
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as one level with dotted keys ("model.hidden_dim")."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flatten_config(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value
     return out
@@ -261,7 +262,7 @@ def differing_labels(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
             "model.hidden_dim"}
     flat = {}
     for name, config in configs.items():
-        values = {k: v for k, v in _flat(config).items() if k not in skip}
+        values = {k: v for k, v in flatten_config(config).items() if k not in skip}
         model = config.get("model", {})
         values.update(K=effective_k(config),
                       model=f"{model.get('hidden_layers')}x{model.get('hidden_dim')}")

@@ -28,7 +28,7 @@ from typing import Any
 from labavg import costmodel
 from labavg.checkpoint import atomic_write_text
 from labavg.errors import UserError
-from labavg.index import list_runs
+from labavg.index import flatten_config, list_runs
 
 # Su & Chen (2015), WER % on the Switchboard test set; 1-GPU baseline 14.7.
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}
@@ -102,16 +102,6 @@ class Run:
         return 100.0 * value if name == "cv_frame_accuracy" else float(value)
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def load_runs(sweep_dir: Path) -> list[Run]:
     """Every finished run of a sweep directory (unfinished ones are left out)."""
     runs = []
@@ -120,7 +110,7 @@ def load_runs(sweep_dir: Path) -> list[Run]:
     for record in list_runs(sweep_dir / "runs"):
         if record.summary is None or record.summary.get("stopped"):
             continue
-        settings = _flatten(record.summary.get("config") or {})
+        settings = flatten_config(record.summary.get("config") or {})
         settings["corpus_hours"] = corpus_hours(settings.get("data.data") or "")
         summary = {**record.summary, "trace": run_trace(record.path)}
         runs.append(Run(record.name, settings, summary))
@@ -304,7 +294,7 @@ def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
         from labavg.config import to_dict
         from labavg.sweep import load_sweep
 
-        base = _flatten(to_dict(load_sweep(sweep_file).base))
+        base = flatten_config(to_dict(load_sweep(sweep_file).base))
         return {k: base[k] for k in VARIED}
     out = {}
     for key in VARIED:
