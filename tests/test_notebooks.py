@@ -2,7 +2,7 @@
 
 Execution uses nbclient with a kernel spec written to a temporary folder whose argv is this
 interpreter (the venv's python), so the notebooks see the same labavg as the tests. Each notebook
-runs with LABAVG_NOTEBOOK_SMALL=1 in its own temporary working directory; a failing cell fails the
+runs with LABAVG_NOTEBOOK_SIZE=small in its own temporary working directory; a failing cell fails the
 test, and the runs it leaves behind are checked for real values (tiny sizes honoured, accuracies
 sane, the expected run directories present).
 """
@@ -39,7 +39,7 @@ ALLOWED_IMPORTS = {"labavg", "dashboard", "holoviews", "pandas", "IPython", "os"
 EXPECTED_RUNS = {
     "01-data-and-kaldi-formats": [],
     "02-single-worker-baseline": ["runs/baseline-1rank"],
-    "03-model-averaging-on-mpi-engines": ["runs/mpi-k2-*", "runs/mpi-k16-*"],
+    "03-model-averaging-on-mpi-engines": ["runs/mpi-k2-*", "runs/rerun-k16-*"],
     "04-ngsgd-vs-sgd": [f"sweeps/04-ngsgd-vs-sgd/runs/optimizer_{o}-ranks_{r}"
                         for o in ("sgd", "ngsgd") for r in (1, 2)],
     "05-rbm-pretraining": [f"sweeps/05-rbm-pretraining/runs/pretrain_{p}-ranks_{r}"
@@ -78,10 +78,13 @@ def test_notebook_structure(name):
     nbformat.validate(nb)
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
-    assert "LABAVG_NOTEBOOK_SMALL" in tagged[0].source
+    assert "LABAVG_NOTEBOOK_SIZE" in tagged[0].source and "teaching.size_name()" in tagged[0].source
     assert nb.cells.index(tagged[0]) <= 2, "the parameters cell comes first (after the introduction)"
     assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
     assert any("## Exercises" in c.source for c in nb.cells if c.cell_type == "markdown")
+    # for a class: what it teaches, how long it takes, and answers a teacher can check against
+    assert "**Learning objectives.**" in nb.cells[0].source and "**Time.**" in nb.cells[0].source
+    assert any("Expected answer" in c.source for c in nb.cells if c.cell_type == "markdown")
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -130,7 +133,8 @@ def _stream_text(nb) -> str:
 def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
     kernel_name, jupyter_path = venv_kernel
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
-    monkeypatch.setenv("LABAVG_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("LABAVG_NOTEBOOK_SIZE", "small")
+    monkeypatch.delenv("LABAVG_NOTEBOOK_SMALL", raising=False)
     monkeypatch.delenv("LABAVG_NOTEBOOK_WORK", raising=False)
     monkeypatch.delenv("LABAVG_RESULTS_DIR", raising=False)
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
@@ -154,6 +158,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         # 120 pdfs: chance is under 1 %; any trained model beats the silence prior's floor of 0
         assert 0.0 < summary["cv_frame_accuracy"] <= 1.0 and math.isfinite(summary["cv_loss"]), run_dir
     text = _stream_text(nb)
+    assert "Size 'small': 0.02 h corpus, 1 x 32 sigmoid" in text, "the size banner comes first"
     if name == "01-data-and-kaldi-formats":
         assert "block j of spliced frame t is frame t - c + j: True" in text
         assert "edges repeat frame 0: True" in text
@@ -171,6 +176,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         for rank in (0, 1):
             assert f"rank {rank}/2 on cpu:" in text, "the %%px cell ran on every engine"
         assert "epoch 0: CV frame accuracy" in text
+        assert "K=2: CV frame accuracy" in text and "%; K=16: " in text, "the rerun control ran K=16"
     if name == "08-reproducing-the-paper":
         assert "reproduction-results.jsonl: " in text and " paper runs" in text
         shown = "".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells

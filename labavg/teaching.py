@@ -1,0 +1,169 @@
+"""The teaching notebooks' sizes, their shared set-up and their measured running times.
+
+Every notebook starts the same way: pick a size, make the built-in corpus once, build the base
+configuration the notebook varies. The sizes are named, so a teacher says one word
+(`LABAVG_NOTEBOOK_SIZE=class`) instead of editing ten numbers in eight notebooks:
+
+- ``small``: seconds per notebook; what CI executes, and what a 1-core Binder session can afford;
+- ``class``: the dashboard's "teaching" preset on the 1 h corpus with 4 workers; every effect
+  the notebooks teach is visible, and each notebook runs within `CLASS_BUDGET_S` on a 2-core
+  laptop (measured by ``benchmarks/bench_notebooks.py``, whose figures `banner` prints);
+- ``full``: TrainConfig's own defaults (the CLI's run), for a course with more time.
+
+The class and full sizes share one corpus, so runs of the notebooks, the CLI and the dashboard
+pair up for a speedup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from labavg.config import TrainConfig, preset_config, validate, with_overrides
+from labavg.errors import UserError
+
+SIZE_VARIABLE = "LABAVG_NOTEBOOK_SIZE"
+# Kept because the tests and older instructions say it; it means SIZE_VARIABLE=small.
+SMALL_VARIABLE = "LABAVG_NOTEBOOK_SMALL"
+DEFAULT_SIZE = "class"
+CLASS_BUDGET_S = 600.0  # a notebook of a 90-minute class: 10 minutes of computing at most
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+TIMINGS_FILE = NOTEBOOKS / "timings.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class NotebookSize:
+    """One size of the notebooks: the corpus made and the configuration every run starts from."""
+
+    name: str
+    hours: float  # training speech of the built-in corpus
+    dev_hours: float  # held-out speakers for the acoustic scale
+    test_hours: float  # held-out speakers that are scored
+    ranks: int  # workers of a notebook's parallel runs
+    base: TrainConfig  # what a 1-worker run trains, corpus path aside
+    about: str
+
+    @property
+    def small(self) -> bool:
+        return self.name == "small"
+
+    def describe(self) -> str:
+        m = self.base.model
+        return (f"{self.hours:g} h corpus, {m.hidden_layers} x {m.hidden_dim} {m.nonlinearity}, "
+                f"{self.base.epochs} epoch(s), {OPTIMIZER_LABELS[self.base.optimizer]}, "
+                f"{self.ranks} workers")
+
+
+# What each optimizer setting means, for labels that say what ran.
+OPTIMIZER_LABELS = {"ngsgd": "NG-SGD", "sgd": "plain SGD"}
+
+
+def _tiny() -> TrainConfig:
+    return with_overrides(TrainConfig(), {
+        "model.hidden_layers": 1, "model.hidden_dim": 32, "epochs": 1, "minibatch": 64,
+        "data.context": 2, "data.buffer_frames": 2048})
+
+
+SIZES: dict[str, NotebookSize] = {
+    "small": NotebookSize("small", 0.02, 0.01, 0.02, 2, _tiny(),
+                          "seconds per notebook; the numbers mean little (CI, Binder)"),
+    "class": NotebookSize("class", 1.0, 0.1, 0.5, 4, preset_config("teaching"),
+                          "the dashboard's teaching preset; within 10 minutes per notebook on 2 cores"),
+    "full": NotebookSize("full", 1.0, 0.1, 0.5, 4, TrainConfig(),
+                         "the CLI's defaults: a 4 x 512 model, several times the class size's time"),
+}
+
+
+def size_name(environ: Mapping[str, str] | None = None) -> str:
+    """The size the environment asks for: LABAVG_NOTEBOOK_SIZE, or "small" when only
+    LABAVG_NOTEBOOK_SMALL=1 is set, else the class size."""
+    env = os.environ if environ is None else environ
+    name = env.get(SIZE_VARIABLE, "").strip()
+    if not name:
+        return "small" if env.get(SMALL_VARIABLE) == "1" else DEFAULT_SIZE
+    if name not in SIZES:
+        raise UserError(f"{SIZE_VARIABLE}={name!r} is not a notebook size; choose one of "
+                        f"{', '.join(SIZES)}")
+    return name
+
+
+def notebook_size(name: str | None = None) -> NotebookSize:
+    """The size called `name` (the environment's when None)."""
+    name = size_name() if name is None else name
+    if name not in SIZES:
+        raise UserError(f"unknown notebook size {name!r}; choose one of {', '.join(SIZES)}")
+    return SIZES[name]
+
+
+def corpus_dir(work: Path, size: NotebookSize) -> Path:
+    return Path(work) / f"corpus-{size.hours:g}h"
+
+
+def base_config(work: str | os.PathLike, size: NotebookSize) -> TrainConfig:
+    """The size's 1-worker configuration on its corpus under `work`, making the corpus the first
+    time (every notebook calls this, so any one of them can be run first)."""
+    from labavg.data.synth import synthesize
+
+    work = Path(work)
+    corpus = corpus_dir(work, size)
+    if not (corpus / "test" / "feats.scp").exists():
+        # the training files are the same with or without the dev and test sets
+        synthesize(corpus, hours=size.hours, seed=0, dev_hours=size.dev_hours,
+                   test_hours=size.test_hours, overwrite=True)
+    data = dataclasses.replace(size.base.data, data=str(corpus.resolve()))
+    return validate(dataclasses.replace(size.base, out=str(work / "runs" / "base"), ranks=1,
+                                        backend="inproc", data=data, tensorboard=False))
+
+
+def read_timings(path: Path = TIMINGS_FILE) -> dict[str, Any]:
+    """benchmarks/bench_notebooks.py's last measurement ({} when it was never run)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def expected_seconds(notebook: str, size: str, timings: dict[str, Any] | None = None) -> float | None:
+    """Measured seconds of `notebook` (its number, "03", or its file stem) at `size`."""
+    timings = read_timings() if timings is None else timings
+    measured = timings.get("sizes", {}).get(size, {}).get("notebooks", {})
+    for stem, seconds in measured.items():
+        if stem == notebook or stem.split("-")[0] == notebook:
+            return float(seconds)
+    return None
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def banner(notebook: str, size: NotebookSize, timings: dict[str, Any] | None = None) -> str:
+    """The notebook's first printed lines: which size runs, and how long it took when measured."""
+    timings = read_timings() if timings is None else timings
+    lines = [f"Size {size.name!r}: {size.describe()} ({size.about})."]
+    seconds = expected_seconds(notebook, size.name, timings)
+    if seconds is None:
+        lines.append("Expected time: not measured at this size (benchmarks/bench_notebooks.py).")
+    else:
+        machine = timings.get("machine", "this machine")
+        when = timings.get("sizes", {}).get(size.name, {}).get("date", "")
+        lines.append(f"Expected time: about {_minutes(seconds)} on {machine}"
+                     f"{f' (measured {when})' if when else ''}; a later run reuses finished runs.")
+    others = [n for n in SIZES if n != size.name]
+    lines.append(f"Other sizes: {SIZE_VARIABLE}={' or '.join(others)} before starting Jupyter.")
+    return "\n".join(lines)
+
+
+def load_plotting() -> None:
+    """HoloViews and Panel in a notebook, with their JavaScript inline: a class without internet
+    still sees every plot, and an exported HTML file (`jupyter nbconvert --to html`) shows them
+    offline."""
+    import holoviews as hv
+    import panel as pn
+
+    pn.extension(inline=True)
+    hv.extension("bokeh", inline=True)
