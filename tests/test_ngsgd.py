@@ -28,6 +28,7 @@ from labavg.optim.ngsgd import (
     effective_rank,
     eta,
     init_default,
+    init_orthonormal_special,
     is_updating,
     precondition_directions,
     reorthogonalize_rt1,
@@ -61,6 +62,68 @@ def test_eta_and_update_schedule_follow_kaldi():
     assert eta(100_000, cfg) == 0.9  # capped
     updating = [t for t in range(30) if is_updating(t, cfg)]
     assert updating == list(range(11)) + [14, 18, 22, 26]
+
+
+def test_initial_subspace_is_kaldis_init_orthonormal_special():
+    # Kaldi's own example (natural-gradient-online.cc), written out from its formula.
+    kaldi = torch.tensor([[1.1, 0, 1, 0, 1], [0, 1.1, 0, 1, 0]], dtype=torch.float64)
+    kaldi[0] /= math.sqrt(1.1**2 + 2)
+    kaldi[1] /= math.sqrt(1.1**2 + 1)
+    torch.testing.assert_close(init_orthonormal_special(2, 5, torch.float64, torch.device("cpu")),
+                               kaldi, rtol=1e-15, atol=0.0)
+    # (rank_out, pdfs), (rank_in, 440 inputs + 1) and tiny ones: what effective_rank allows.
+    for rank, dim in ((80, 120), (20, 441), (4, 5), (6, 513)):
+        R = init_orthonormal_special(rank, dim, torch.float64, torch.device("cpu"))
+        torch.testing.assert_close(R @ R.T, torch.eye(rank, dtype=torch.float64), rtol=0.0, atol=1e-14)
+        assert bool((R != 0).any(1).all()) and bool((R != 0).any(0).all())
+        n_r = torch.bincount(torch.arange(dim) % rank, minlength=rank).to(torch.float64)
+        torch.testing.assert_close(torch.diagonal(R), 1.1 / (1.1**2 + n_r - 1).sqrt(),
+                                   rtol=1e-15, atol=0.0)
+        # Symmetry broken: no weighted sum of the rows is the all-ones vector (with 1.0
+        # everywhere, R^T R ones = ones exactly).
+        ones = torch.ones(dim, dtype=torch.float64) / math.sqrt(dim)
+        assert float(torch.linalg.norm(ones - R.T @ (R @ ones))) > 5e-3  # measured 0.011-0.039
+    assert init_orthonormal_special(3, 7, torch.float32, torch.device("cpu")).dtype == torch.float32
+
+
+def _softmax_derivatives(seed: int, steps: int, pdfs: int):
+    """d(sum CE)/d logits = softmax - onehot for a fixed random linear "model" of random
+    features: output derivatives whose rows sum to zero, minibatches of 128-256 frames."""
+    gen = torch.Generator().manual_seed(seed)
+    feat = 40
+    to_logits = torch.randn(feat, pdfs, generator=gen, dtype=torch.float64) * (3.0 / math.sqrt(feat))
+    for _ in range(steps):
+        n = int(torch.randint(128, 257, (), generator=gen))
+        p = torch.softmax(torch.randn(n, feat, generator=gen, dtype=torch.float64) @ to_logits, 1)
+        y = torch.multinomial(p, 1, generator=gen).squeeze(1)
+        yield p - F.one_hot(y, pdfs).to(torch.float64)
+
+
+def test_output_side_preconditioner_agrees_in_float32_and_float64(one_thread):
+    pdfs, cfg = 120, NGConfig()
+    # The output layer's dY-side estimate, as NGSGD builds and applies it (rank_out).
+    pre = {dtype: NGSGD(nn.Linear(16, pdfs).to(dtype), config=cfg).preconditioners[0][1]
+           for dtype in (torch.float32, torch.float64)}
+    assert pre[torch.float64].rank == cfg.rank_out
+    worst = 0.0
+    for dy in _softmax_derivatives(seed=0, steps=300, pdfs=pdfs):
+        assert float(dy.sum(1).abs().max()) < 1e-12  # the premise: no variance along ones
+        outs = {}
+        for dtype, est in pre.items():
+            result = est.precondition(dy.to(dtype))
+            est.commit(result)
+            outs[dtype] = (result.x_hat * result.scale).double()
+        exact = outs[torch.float64]
+        worst = max(worst, float(torch.linalg.norm(outs[torch.float32] - exact) / torch.linalg.norm(exact)))
+    # Measured (seeds 0-3): max relative difference 2.3-3.1e-6 with Kaldi's 1.1 start, 6-8.5e-3 with 1.0
+    # everywhere (the all-ones direction then sits in the subspace with a zero eigenvalue and float32's
+    # rounding decides what happens to it).
+    assert worst < 1e-4
+    # The all-ones direction has left the learned subspace (with 1.0 everywhere it stays,
+    # projection 1.0, as H^T X never has a component along it).
+    R, _, _ = pre[torch.float64].fisher()
+    ones = torch.ones(pdfs, dtype=torch.float64) / math.sqrt(pdfs)
+    assert float(torch.linalg.norm(R @ ones)) < 1e-6  # measured 3.5e-10
 
 
 def test_fisher_estimate_recovers_top_eigendirections(one_thread):

@@ -108,13 +108,30 @@ def compute_zt(
 
 
 def init_orthonormal_special(rank: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """InitOrthonormalSpecial: orthonormal rows with no zero row or column (row r has
-    1/sqrt(n) at columns r, r + rank, r + 2 rank, ...)."""
+    """InitOrthonormalSpecial (current Kaldi): orthonormal rows with no zero row or column.
+
+    Row r has entries at columns r, r + rank, r + 2 rank, ...: the first is 1.1, the others
+    1.0, all times 1 / sqrt(1.1^2 + n_r - 1) for the row's n_r entries; the rows stay
+    orthonormal because their supports are disjoint. E.g. rank 2, dim 5:
+    [1.1, 0, 1, 0, 1] / sqrt(3.21) and [0, 1.1, 0, 1, 0] / sqrt(2.21).
+
+    Why 1.1 and not 1: symmetry breaking. Kaldi's comment: no weighted sum of the rows
+    should be all ones, because the derivative in that direction can be zero in some
+    architectures (here: softmax output derivatives, rows summing to zero) and forces an
+    inefficient renormalization. With 1.0 everywhere that direction also stays in the learned
+    subspace for good (J_t = H_t^T X_t has no component along it, so the power method never
+    moves it out), wasting one of the R directions on a zero eigenvalue, and the output side
+    drifts between float32 and float64 (~7e-3 against ~3e-6 with 1.1; tests/test_ngsgd.py).
+    """
+    first_elem = 1.1
     cols = torch.arange(dim)
     rows = cols % rank
     counts = torch.bincount(rows, minlength=rank).to(_F64)
+    normalizer = (first_elem**2 + counts - 1.0).rsqrt()
+    values = normalizer[rows]
+    values[:rank] *= first_elem  # column r < rank is the first entry of row r (rank <= dim)
     R = torch.zeros(rank, dim, dtype=_F64)
-    R[rows, cols] = counts[rows].rsqrt()
+    R[rows, cols] = values
     return R.to(device=device, dtype=dtype)
 
 
