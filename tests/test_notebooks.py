@@ -84,7 +84,7 @@ def test_notebook_structure(name):
     assert any("## Exercises" in c.source for c in nb.cells if c.cell_type == "markdown")
     # for a class: what it teaches, how long it takes, and answers a teacher can check against
     assert "**Learning objectives.**" in nb.cells[0].source and "**Time.**" in nb.cells[0].source
-    assert any("Expected answer" in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert any("expected answer" in c.source.lower() for c in nb.cells if c.cell_type == "markdown")
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
