@@ -16,6 +16,7 @@ import holoviews as hv
 import pandas as pd
 import panel as pn
 
+from dashboard.components import load_backend
 from labavg.config import TrainConfig, check_setting, validate, with_overrides
 from labavg.errors import UserError
 from labavg.runs import format_table, read_events, run_training
@@ -42,6 +43,7 @@ class RerunControl(pn.viewable.Viewer):
 
     def __init__(self, base: TrainConfig, runs_dir: str | Path, cluster: Any = None, **params: Any):
         super().__init__(**params)
+        load_backend()
         self.base = base
         self.runs_dir = Path(runs_dir)
         self.cluster = cluster
@@ -49,7 +51,7 @@ class RerunControl(pn.viewable.Viewer):
         self.k = pn.widgets.IntInput(name="K (minibatches between averaging rounds)",
                                      value=base.average_every, width=300)
         self.lr = pn.widgets.FloatInput(name="learning rate per frame (before x N)",
-                                        value=base.lr, width=300, format="0.00000")
+                                        value=base.lr, width=300, format="0.[00000]")
         self.k_message = pn.pane.Markdown("", styles={"color": "#b00020"})
         self.lr_message = pn.pane.Markdown("", styles={"color": "#b00020"})
         self.button = pn.widgets.Button(name="Run", button_type="primary", width=120)

@@ -158,12 +158,15 @@ def banner(notebook: str, size: NotebookSize, timings: dict[str, Any] | None = N
     return "\n".join(lines)
 
 
-def load_plotting() -> None:
-    """HoloViews and Panel in a notebook, with their JavaScript inline: a class without internet
-    still sees every plot, and an exported HTML file (`jupyter nbconvert --to html`) shows them
-    offline."""
+def load_plotting(panel: bool = False) -> None:
+    """HoloViews (and Panel, for widgets) in a notebook, with their JavaScript inline: a class
+    without internet still sees every plot, and an exported HTML file (`jupyter nbconvert --to
+    html`) shows them offline. Panel only when asked: it styles plain plots with stylesheets
+    from its CDN."""
     import holoviews as hv
-    import panel as pn
 
-    pn.extension(inline=True)
+    if panel:
+        import panel as pn
+
+        pn.extension(inline=True)
     hv.extension("bokeh", inline=True)

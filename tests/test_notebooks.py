@@ -182,6 +182,12 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         shown = "".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells
                         if c.cell_type == "code" for o in c.get("outputs", []))
         assert "### Number of workers" in shown and "| corpus h | workers N |" in shown
+    if name == "04-ngsgd-vs-sgd":
+        # an exported copy shows its plots offline: bokeh's JavaScript is inline, not from a CDN
+        from nbconvert import HTMLExporter
+
+        html, _ = HTMLExporter().from_notebook_node(nb)
+        assert "cdn.bokeh.org" not in html and "Bokeh.set_log_level" in html
     if name == "07-scaling-and-speedup":
         assert "16 workers lose -" in text and " points on 8 h" in text  # the regime map's
         two = _summaries(work)[work / "sweeps/07-scaling/runs/ranks_2"]

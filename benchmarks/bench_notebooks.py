@@ -1,0 +1,120 @@
+"""How long each teaching notebook takes at one size, against the class budget (never a timed test).
+
+    .venv/bin/python benchmarks/bench_notebooks.py [--size class] [--work DIR] [--only 03 04]
+                                                  [--write-timings] [--html DIR]
+
+Executes the notebooks in order in one fresh working folder, as a class would (01 makes the
+corpus, later ones reuse it), each in its own kernel running this interpreter, and prints one line
+per notebook: seconds, and the ratio to the class budget (10 minutes). `--write-timings` stores
+the seconds in notebooks/timings.json, which each notebook's banner prints as its expected time.
+`--html DIR` also exports every executed notebook as a self-contained HTML file (the plots'
+JavaScript is inline, so the files open offline). Exit status 1 when a notebook fails or, at the
+class size, runs over its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from labavg import teaching  # noqa: E402
+
+
+def kernel_spec(root: Path) -> str:
+    """A kernel spec running this interpreter, so the notebooks see this labavg."""
+    spec = root / "kernels" / "labavg-bench"
+    spec.mkdir(parents=True, exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "labavg bench", "language": "python"}))
+    return "labavg-bench"
+
+
+def run_notebook(path: Path, cwd: Path, kernel: str, timeout: float) -> tuple[float, nbformat.NotebookNode]:
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    nbclient.NotebookClient(nb, timeout=timeout, kernel_name=kernel,
+                            resources={"metadata": {"path": str(cwd)}}).execute()
+    return time.perf_counter() - start, nb
+
+
+def export_html(nb: nbformat.NotebookNode, out: Path) -> None:
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    out.write_text(body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="class", choices=list(teaching.SIZES))
+    parser.add_argument("--work", type=Path, help="working folder (default: a new temporary one)")
+    parser.add_argument("--only", nargs="*", default=None, help="notebook numbers, e.g. 03 04")
+    parser.add_argument("--write-timings", action="store_true", help="store the seconds in notebooks/timings.json")
+    parser.add_argument("--html", type=Path, help="export each executed notebook as HTML into this folder")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per cell")
+    args = parser.parse_args(argv)
+
+    work_root = args.work or Path(tempfile.mkdtemp(prefix=f"labavg-nb-{args.size}-"))
+    work_root.mkdir(parents=True, exist_ok=True)
+    jupyter = work_root / "jupyter"
+    os.environ["JUPYTER_PATH"] = str(jupyter)
+    os.environ[teaching.SIZE_VARIABLE] = args.size
+    os.environ.pop(teaching.SMALL_VARIABLE, None)
+    os.environ.pop("LABAVG_NOTEBOOK_WORK", None)  # each notebook's labavg-work/ under the cwd
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    kernel = kernel_spec(jupyter)
+    cwd = work_root / "notebooks"
+    cwd.mkdir(exist_ok=True)
+    if args.html:
+        args.html.mkdir(parents=True, exist_ok=True)
+
+    notebooks = sorted(teaching.NOTEBOOKS.glob("[0-9][0-9]-*.ipynb"))
+    if args.only:
+        notebooks = [p for p in notebooks if p.name[:2] in args.only]
+    budget = teaching.CLASS_BUDGET_S
+    print(f"size {args.size!r} ({teaching.SIZES[args.size].describe()}), working folder {cwd}")
+    print(f"{'notebook':<52} {'seconds':>8} {'of budget':>10}")
+    seconds: dict[str, float] = {}
+    failed = over = False
+    for path in notebooks:
+        try:
+            took, nb = run_notebook(path, cwd, kernel, args.timeout)
+        except Exception as exc:  # one failing notebook must not hide the others' times
+            print(f"{path.stem:<52} FAILED: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}")
+            failed = True
+            continue
+        seconds[path.stem] = round(took, 1)
+        over |= args.size == "class" and took > budget
+        print(f"{path.stem:<52} {took:8.1f} {took / budget:10.2f}", flush=True)
+        if args.html:
+            export_html(nb, args.html / f"{path.stem}.html")
+    if seconds:
+        print(f"{'total':<52} {sum(seconds.values()):8.1f} (budget {budget:.0f} s per notebook)")
+    if args.write_timings and seconds and not failed:
+        timings = teaching.read_timings()
+        timings["machine"] = f"a {os.cpu_count()}-core {platform.machine()} machine"
+        entry = timings.setdefault("sizes", {}).setdefault(args.size, {})
+        entry.update(date=datetime.date.today().isoformat(), budget_s=budget,
+                     command="benchmarks/bench_notebooks.py --size " + args.size)
+        entry["notebooks"] = {**entry.get("notebooks", {}), **seconds}
+        teaching.TIMINGS_FILE.write_text(json.dumps(timings, indent=1) + "\n")
+        print(f"wrote {teaching.TIMINGS_FILE}")
+    return 1 if failed or over else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The notebooks' sizes (labavg.teaching) and notebook 03's rerun control (dashboard.rerun)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from labavg import teaching
+from labavg.config import TrainConfig, preset_config, with_overrides
+from labavg.errors import UserError
+
+
+def test_the_size_comes_from_the_environment_and_a_bad_one_is_named():
+    assert teaching.size_name({}) == "class"
+    assert teaching.size_name({"LABAVG_NOTEBOOK_SMALL": "1"}) == "small"
+    assert teaching.size_name({"LABAVG_NOTEBOOK_SIZE": "full", "LABAVG_NOTEBOOK_SMALL": "1"}) == "full"
+    with pytest.raises(UserError) as err:
+        teaching.size_name({"LABAVG_NOTEBOOK_SIZE": "huge"})
+    assert str(err.value) == "LABAVG_NOTEBOOK_SIZE='huge' is not a notebook size; choose one of small, class, full"
+
+
+def test_the_sizes_share_the_cli_and_dashboard_defaults():
+    # class = the dashboard's teaching preset, full = the CLI's run: their runs pair for a speedup
+    assert teaching.SIZES["class"].base == preset_config("teaching")
+    assert teaching.SIZES["full"].base == TrainConfig()
+    assert teaching.corpus_dir(teaching.Path("w"), teaching.SIZES["class"]) == \
+        teaching.corpus_dir(teaching.Path("w"), teaching.SIZES["full"])
+    small = teaching.SIZES["small"].base
+    assert (small.model.hidden_layers, small.model.hidden_dim, small.epochs) == (1, 32, 1)
+
+
+def test_the_banner_prints_the_measured_time_or_says_there_is_none():
+    size = teaching.SIZES["class"]
+    timings = {"machine": "a 2-core x86_64 machine",
+               "sizes": {"class": {"date": "2026-12-01",
+                                   "notebooks": {"03-model-averaging-on-mpi-engines": 245.0,
+                                                 "04-ngsgd-vs-sgd": 61.0}}}}
+    text = teaching.banner("03", size, timings)
+    assert text.splitlines()[0] == ("Size 'class': 1 h corpus, 2 x 256 sigmoid, 2 epoch(s), NG-SGD, "
+                                    "4 workers (the dashboard's teaching preset; within 10 minutes "
+                                    "per notebook on 2 cores).")
+    assert "Expected time: about 4 min on a 2-core x86_64 machine (measured 2026-12-01)" in text
+    assert "about 61 s" in teaching.banner("04", size, timings)
+    assert "not measured at this size" in teaching.banner("05", size, timings)
+    assert "LABAVG_NOTEBOOK_SIZE=small or full" in text
+
+
+def test_the_committed_timings_cover_every_notebook_within_the_class_budget():
+    timings = teaching.read_timings()
+    if "class" not in timings.get("sizes", {}):
+        pytest.skip("notebooks/timings.json has no class-size measurement yet")
+    measured = timings["sizes"]["class"]["notebooks"]
+    stems = sorted(p.stem for p in teaching.NOTEBOOKS.glob("[0-9][0-9]-*.ipynb"))
+    assert sorted(measured) == stems, "benchmarks/bench_notebooks.py --write-timings measures them all"
+    # a record of the benchmark's measurement, checked here so a slower notebook cannot be committed
+    # with a banner promising the class budget
+    assert all(0 < s <= teaching.CLASS_BUDGET_S for s in measured.values()), measured
+
+
+def test_base_config_makes_the_corpus_once(tmp_path):
+    size = dataclasses.replace(teaching.SIZES["small"], hours=0.01, dev_hours=0.005, test_hours=0.005)
+    cfg = teaching.base_config(tmp_path, size)
+    feats = tmp_path / "corpus-0.01h" / "feats.scp"
+    assert cfg.data.data == str((tmp_path / "corpus-0.01h").resolve()) and feats.is_file()
+    assert (cfg.ranks, cfg.backend, cfg.model.hidden_dim) == (1, "inproc", 32)
+    stamp = feats.stat().st_mtime_ns
+    again = teaching.base_config(tmp_path, size)
+    assert again == cfg and feats.stat().st_mtime_ns == stamp, "the second notebook reuses the corpus"
+
+
+@pytest.fixture
+def rerun_base(corpus, tmp_path):
+    return with_overrides(teaching.SIZES["small"].base, {
+        "data.data": str(corpus), "ranks": 2, "backend": "inproc", "average_every": 2,
+        "tensorboard": False, "out": str(tmp_path / "base")})
+
+
+def test_the_rerun_control_refuses_bad_boxes_before_anything_starts(rerun_base, tmp_path):
+    pytest.importorskip("panel")
+    from dashboard.rerun import RerunControl
+
+    control = RerunControl(rerun_base, tmp_path / "runs")
+    assert not control.button.disabled and control.k_message.object == ""
+    control.k.value = 0
+    assert control.k_message.object == "average_every must be positive; got 0"
+    assert control.button.disabled
+    control.lr.value = -0.1
+    assert control.lr_message.object == "lr must be positive and finite; got -0.1"
+    with pytest.raises(UserError, match="average_every must be positive; got 0"):
+        control.run()
+    assert not (tmp_path / "runs").exists(), "nothing started"
+    control.k.value, control.lr.value = 3, 0.004
+    assert not control.button.disabled and control.lr_message.object == ""
+
+
+def test_the_rerun_control_trains_and_shows_each_run(rerun_base, tmp_path):
+    pytest.importorskip("panel")
+    from dashboard.rerun import RerunControl
+
+    control = RerunControl(rerun_base, tmp_path / "runs")
+    first = control.run()
+    second = control.run(average_every=8, lr=0.004)
+    assert [label for label, _ in control.runs] == ["K=2, lr 0.008", "K=8, lr 0.004"]
+    (made_second,) = (tmp_path / "runs").glob("rerun-k8-lr0.004-*")
+    written = json.loads((made_second / "summary.json").read_text())
+    assert written["config"]["average_every"] == 8 and written["config"]["lr"] == 0.004
+    assert second["cv_frame_accuracy"] == written["cv_frame_accuracy"]
+    assert first["config"]["average_every"] == 2
+    table = control.table.object
+    assert "| K=2, lr 0.008 |" in table and "| K=8, lr 0.004 |" in table
+    curves = control.plot.object.values()
+    assert [c.label for c in curves] == ["K=2, lr 0.008", "K=8, lr 0.004"]
+    assert len(curves[0]) > len(curves[1]) > 0, "K=2 averages more often than K=8"
+    assert control.status.object.startswith("K=8, lr 0.004: CV frame accuracy ")
