@@ -72,10 +72,13 @@ class Dashboard:
 
 
 def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = DATA,
-               period_ms: int = UPDATE_MS) -> pn.template.FastListTemplate:
-    """A servable dashboard page with its periodic update running (usable inline in JupyterLab)."""
+               period_ms: int = UPDATE_MS, preset: str | None = None) -> pn.template.FastListTemplate:
+    """A servable dashboard page with its periodic update running (usable inline in JupyterLab).
+    `preset` selects a named preset first (a notebook passes its size's, so its runs pair up)."""
     pn.extension("tabulator", notifications=False)
     dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
+    if preset is not None:
+        dashboard.settings.preset = preset
     page = dashboard.view()
     pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
     page.dashboard = dashboard  # for tests and notebooks: the state behind the page

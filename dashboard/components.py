@@ -434,8 +434,9 @@ TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_ac
 NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
 # Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
-TABLE_WIDTHS = {"run": 182, "ranks": 78, "K": 50, "lr": 64, "wer_pct": 90, "per_pct": 90,
-                "cv_acc_pct": 112, "cv_loss": 96, "speedup": 112, "efficiency": 116, "status": 96}
+# Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
+TABLE_WIDTHS = {"run": 172, "ranks": 68, "K": 50, "lr": 64, "wer_pct": 78, "per_pct": 76,
+                "cv_acc_pct": 94, "cv_loss": 86, "speedup": 92, "efficiency": 98, "status": 96}
 _TABLE_MAX_HEIGHT = 250
 
 

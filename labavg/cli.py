@@ -390,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("labavg: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `labavg info runs | head`: the reader left; say nothing, as other Unix tools do, and
+        # point stdout at devnull so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:
         user = user_error_of(exc)
         if user is None:

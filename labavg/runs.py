@@ -405,10 +405,14 @@ def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]
 
 
 def _progress_bar(event: RunStarted, cfg: TrainConfig):
+    import sys
+
     from tqdm import tqdm
 
+    # Off a terminal (a notebook, a log file) every refresh is kept as a line: refresh rarely.
+    interval = 0.1 if sys.stderr.isatty() else 5.0
     return tqdm(total=event.steps_per_epoch * cfg.epochs, initial=event.start_step, unit="mb",
-                desc=f"train x{event.size}", dynamic_ncols=True)
+                desc=f"train x{event.size}", dynamic_ncols=True, mininterval=interval)
 
 
 def format_table(summaries: Iterable[dict[str, Any]]) -> str:

@@ -46,6 +46,7 @@ class NotebookSize:
     ranks: int  # workers of a notebook's parallel runs
     base: TrainConfig  # what a 1-worker run trains, corpus path aside
     about: str
+    preset: str = "defaults"  # the dashboard's preset that trains the same model
 
     @property
     def small(self) -> bool:
@@ -72,7 +73,8 @@ SIZES: dict[str, NotebookSize] = {
     "small": NotebookSize("small", 0.02, 0.01, 0.02, 2, _tiny(),
                           "seconds per notebook; the numbers mean little (CI, Binder)"),
     "class": NotebookSize("class", 1.0, 0.1, 0.5, 4, preset_config("teaching"),
-                          "the dashboard's teaching preset; within 10 minutes per notebook on 2 cores"),
+                          "the dashboard's teaching preset; within 10 minutes per notebook on 2 cores",
+                          preset="teaching"),
     "full": NotebookSize("full", 1.0, 0.1, 0.5, 4, TrainConfig(),
                          "the CLI's defaults: a 4 x 512 model, several times the class size's time"),
 }

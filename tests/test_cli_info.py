@@ -104,3 +104,17 @@ def test_info_names_a_broken_summary(runs, capsys):
     (runs / "k10" / "summary.json").write_text("{")
     code, _, err = _info(capsys, runs)
     assert code == 2 and str(runs / "k10" / "summary.json") in err
+
+
+def test_info_into_a_closed_pipe_exits_quietly(tmp_path):
+    # `labavg info runs | head -1`: the reader has gone before labavg writes
+    import subprocess
+    import sys
+
+    _run(tmp_path / "runs" / "a", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "labavg", "info", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert err == "", err

@@ -338,7 +338,7 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     assert not re.search(r"\d\.\d{6,}", cells), cells
     page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
     table = page.locator(".tabulator").first.bounding_box()
-    for title in ("WER %", "PER %", "CV acc %", "speedup"):
+    for title in ("WER %", "PER %", "CV acc %", "speedup", "efficiency"):
         header = page.locator(".tabulator-col", has_text=title).first.bounding_box()
         assert header["x"] + header["width"] <= min(1366, table["x"] + table["width"]) + 1, title
 
