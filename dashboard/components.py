@@ -435,8 +435,11 @@ NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
 # Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
-TABLE_WIDTHS = {"run": 172, "ranks": 68, "K": 50, "lr": 64, "wer_pct": 78, "per_pct": 76,
-                "cv_acc_pct": 94, "cv_loss": 86, "speedup": 92, "efficiency": 98, "status": 96}
+# 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
+TABLE_WIDTHS = {"run": 166, "ranks": 78, "K": 46, "lr": 58, "wer_pct": 88, "per_pct": 82,
+                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90}
+_TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
+              ".tabulator .tabulator-cell, .tabulator .tabulator-col-title { font-size: 13px !important; }")
 _TABLE_MAX_HEIGHT = 250
 
 
@@ -461,6 +464,7 @@ class RunsView(pn.viewable.Viewer):
             table_frame([]), selectable="checkbox", disabled=True,
             show_index=False, sizing_mode="stretch_width", height=250, layout="fit_data_table",
             titles=TABLE_TITLES, formatters=formatters, frozen_columns=["run"], widths=TABLE_WIDTHS,
+            stylesheets=[_TABLE_CSS],
         )
         self.tabulator.param.watch(self._on_select, "selection")
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",

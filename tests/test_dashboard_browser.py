@@ -338,9 +338,15 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     assert not re.search(r"\d\.\d{6,}", cells), cells
     page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
     table = page.locator(".tabulator").first.bounding_box()
-    for title in ("WER %", "PER %", "CV acc %", "speedup", "efficiency"):
-        header = page.locator(".tabulator-col", has_text=title).first.bounding_box()
-        assert header["x"] + header["width"] <= min(1366, table["x"] + table["width"]) + 1, title
+    for title in ("ranks", "lr", "WER %", "PER %", "CV acc %", "CV loss", "speedup", "efficiency"):
+        header = page.locator(".tabulator-col", has_text=title).first
+        box = header.bounding_box()
+        assert box["x"] + box["width"] <= min(1366, table["x"] + table["width"]) + 1, title
+        text = header.locator(".tabulator-col-title").first
+        assert text.evaluate("e => e.scrollWidth <= e.clientWidth"), f"title {title!r} is cut"
+    names = page.locator(".tabulator-cell[tabulator-field='run']")
+    assert all(names.nth(i).evaluate("e => e.scrollWidth <= e.clientWidth") for i in range(names.count())), \
+        "a run name is cut"
 
     # Overlay runs 1 and 3: the legends name what differs (K and epochs), not when they ran.
     for i, t in enumerate(texts):
