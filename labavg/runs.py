@@ -242,6 +242,7 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "ranks": started.size,
         "backend": cfg.backend,
         "average_every": started.average_every,
+        "averaging": started.averaging,
         "optimizer": cfg.optimizer,
         "pretrain": cfg.pretrain,
         "schedule": cfg.schedule,
@@ -259,6 +260,8 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "wall_seconds": finished.wall_seconds,
         "compute_seconds": finished.compute_seconds,
         "comm_seconds": finished.comm_seconds,
+        "bytes_per_round": started.bytes_per_round,
+        "bytes_sent": finished.bytes_sent,
         "stopped": finished.stopped,
         "comm_fraction": finished.comm_seconds / max(finished.compute_seconds + finished.comm_seconds, 1e-12),
         "speedup": None,
@@ -413,7 +416,8 @@ def _progress_bar(event: RunStarted, cfg: TrainConfig):
 
 def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of run summaries (one row per run); error rates when the run decoded."""
-    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
+    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("method", "averaging"),
+            ("opt", "optimizer"),
             ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
             ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
