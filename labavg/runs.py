@@ -416,8 +416,8 @@ def _progress_bar(event: RunStarted, cfg: TrainConfig):
 
 def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of run summaries (one row per run); error rates when the run decoded."""
-    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("method", "averaging"),
-            ("opt", "optimizer"),
+    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
+            ("method", "averaging"),
             ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
             ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
