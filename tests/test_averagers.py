@@ -225,6 +225,31 @@ def test_state_dict_continues_the_rounds():
             assert torch.equal(flat, uninterrupted[-1])
 
 
+def test_restart_starts_from_the_given_model_without_momentum():
+    # Newbob's roll-back: the next block starts from the accepted model with no momentum, so
+    # its first round is the same as a fresh averager's.
+    gen = torch.Generator().manual_seed(4)
+    starts, accepted = torch.randn(20, generator=gen), torch.randn(20, generator=gen)
+    blocks = [[0.1 * torch.randn(20, generator=gen) for _ in range(2)] for _ in range(3)]
+    for make in (lambda f, c: BMUFAverager(f, c), lambda f, c: DiLoCoAverager(f, c)):
+        fresh = _rounds(make, accepted, blocks[2:])[0]
+
+        def work(comm):
+            flat = starts.clone()
+            averager = make(flat, comm)
+            for block in blocks[:2]:
+                flat += block[comm.rank]
+                averager.round(flat)
+            flat.copy_(accepted)
+            averager.restart(flat)
+            flat += blocks[2][comm.rank]
+            averager.round(flat)
+            return flat
+
+        for flat in run_inproc(2, work):
+            assert torch.equal(flat, fresh)
+
+
 def test_a_checkpoint_of_another_method_is_refused():
     flat = torch.zeros(4)
 
