@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,15 @@ import torch
 
 from labavg.averagers import Averager, BMUFAverager, DiLoCoAverager, make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.config import (BMUFConfig, DiLoCoConfig, TrainConfig, estimate_memory, load_config,
-                           validate, with_overrides)
+from labavg.config import (
+    BMUFConfig,
+    DiLoCoConfig,
+    TrainConfig,
+    estimate_memory,
+    load_config,
+    validate,
+    with_overrides,
+)
 from labavg.data.dataset import open_dataset
 from labavg.errors import UserError
 from labavg.runs import read_events, read_summary, run_training
@@ -447,7 +453,7 @@ def test_sweep_grid_of_methods(corpus, tmp_path):
     assert [n for n, _ in sweep.points()] == ["ranks_2-average_every_4-averaging_model",
                                                "ranks_2-average_every_4-averaging_bmuf"]
     run_sweep(sweep, tmp_path / "out")
-    table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    table = list(csv.DictReader((tmp_path / "out" / "results.csv").read_text().splitlines()))
     assert [r["averaging"] for r in table] == ["model", "bmuf"]
     assert table[0]["bytes_sent"] == table[1]["bytes_sent"] != ""
     write_sweep(spec, corpus, 'averaging = ["model", "bmfu"]')
