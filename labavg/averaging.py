@@ -41,6 +41,9 @@ class AverageStats:
     average, measured just before averaging. `dropped` counts the ranks whose parameters were
     not finite and were left out of the mean (they take the average like everyone else);
     `finite` says whether this rank was one of them. `stop` is True when any rank asked to stop.
+    `bytes_sent` is the size of the parameter buffer this rank put into the round's allreduce
+    (4 x parameters in float32; 0 when nothing was averaged), not counting the 16-byte control
+    exchange: what a reduce algorithm puts on the wire is a multiple of it.
     """
 
     divergence: float
@@ -48,6 +51,7 @@ class AverageStats:
     finite: bool = True
     dropped: int = 0
     stop: bool = False
+    bytes_sent: int = 0
 
 
 def average_parameters(
@@ -90,7 +94,8 @@ def average_parameters(
         avg_norm = torch.linalg.vector_norm(flat).item()
         dist = torch.linalg.vector_norm(before - flat).item()
         divergence = dist / avg_norm if avg_norm > 0 else 0.0
-    return AverageStats(divergence, seconds, finite, dropped, agreed_stop)
+    return AverageStats(divergence, seconds, finite, dropped, agreed_stop,
+                        flat.numel() * flat.element_size())
 
 
 def broadcast_parameters(flat: torch.Tensor, comm: Communicator, root: int = 0) -> None:

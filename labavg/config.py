@@ -6,7 +6,8 @@ bounds) and, for the common ones, its command-line flag, in the field's metadata
 controls (`dashboard.settings`) are generated from them. This module imports no torch.
 
 A TOML file holds the training keys at the top level and one table per part:
-`[model]`, `[data]`, `[ngsgd]`, `[rbm]`, `[newbob]`. Files are parsed, never executed.
+`[model]`, `[data]`, `[ngsgd]`, `[rbm]`, `[newbob]`, `[bmuf]`, `[diloco]`. Files are parsed,
+never executed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ PRETRAIN = ("none", "rbm")
 LR_SCALING = ("none", "linear")
 NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
 NEWBOB_CRITERIA = ("loss", "frame_accuracy")
+# How an averaging round combines the workers' models (labavg.averagers, docs/averaging.md).
+AVERAGING = ("model", "bmuf", "diloco")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -52,6 +55,9 @@ MIN_NUM_PDFS = 2
 # Bytes per trainable scalar: float32 weights, their gradients, the flat parameter buffer that
 # is averaged, and the averaged / checkpointed copy.
 _BYTES_PER_PARAMETER = 4 * 4
+# What an averaging method keeps besides: its outer optimizer's state (BMUF's filtered update,
+# DiLoCo's momentum) and the block's update computed in each round.
+_AVERAGER_BYTES_PER_PARAMETER = {"model": 0, "bmuf": 2 * 4, "diloco": 2 * 4}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +307,37 @@ class NewbobConfig:
         return cls(**fields)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class BMUFConfig:
+    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averagers, docs/averaging.md).
+
+    Each round's change of the averaged model is filtered with block momentum before it is
+    applied; a steady change is amplified by block_lr / (1 - momentum) in the long run, which
+    is N, the factor plain averaging divides the workers' summed progress by, when momentum is
+    1 - 1/N. The default 0.9 is that for N = 10, between the 2 and 32 workers a lab runs. The
+    gain does what Su & Chen's N x learning rate does (lr_scaling = "linear"): with both, the
+    factors multiply (docs/averaging.md).
+    """
+
+    momentum: float = setting(0.9, "block momentum (0: plain averaging; 1 - 1/ranks gives a "
+                              "long-run gain of ranks)", _real(0, 1, high_open=True))
+    block_lr: float = setting(1.0, "block learning rate: the share of each round's change "
+                              "applied", _FINITE_POSITIVE)
+    nesterov: bool = setting(True, "Nesterov block momentum: workers start each block from the "
+                             "global model plus momentum x the filtered update")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """DiLoCo's outer optimizer (Douillard et al. 2023, the paper's values): SGD with Nesterov
+    momentum on the outer gradient, the global model minus the average."""
+
+    outer_lr: float = setting(0.7, "outer learning rate (1 with momentum 0: plain averaging)",
+                              _FINITE_POSITIVE)
+    momentum: float = setting(0.9, "outer momentum", _real(0, 1, high_open=True))
+    nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
+
+
 @dataclass
 class TrainConfig:
     """Everything one training run needs. Defaults follow the paper where CPU time allows."""
@@ -314,6 +351,9 @@ class TrainConfig:
     average_every_frames: int | None = setting(
         None, "frames between averaging rounds (K = round(frames / minibatch))", _POSITIVE,
         flag="--average-every-frames")
+    averaging: str = setting("model", "how a round combines the models (model: plain average, "
+                             "the paper; [bmuf], [diloco] tables)", _choice(AVERAGING),
+                             flag="--averaging")
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
@@ -354,6 +394,9 @@ class TrainConfig:
     ngsgd: NGConfig = setting(help="natural-gradient SGD", factory=NGConfig)
     rbm: RBMConfig = setting(help="RBM pretraining", factory=RBMConfig)
     newbob: NewbobConfig = setting(help="the Newbob schedule", factory=NewbobConfig)
+    bmuf: BMUFConfig = setting(help="block momentum (averaging = bmuf)", factory=BMUFConfig)
+    diloco: DiLoCoConfig = setting(help="DiLoCo's outer optimizer (averaging = diloco)",
+                                   factory=DiLoCoConfig)
 
     def averaging_interval(self) -> int:
         """K, the number of minibatches between averaging rounds."""
@@ -374,7 +417,7 @@ class TrainConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "ngsgd": NGConfig, "rbm": RBMConfig,
-             "newbob": NewbobConfig}
+             "newbob": NewbobConfig, "bmuf": BMUFConfig, "diloco": DiLoCoConfig}
 # The sections whose __post_init__ refuses bad values with a bare ValueError: their rules also
 # run where they are built from plain values (TOML, --set, config.json), before the dataclass
 # exists. The others stay buildable with bad values, so that a caller (a sweep naming its grid
@@ -684,7 +727,8 @@ def physical_memory() -> int | None:
 def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
     """Bytes one process of `cfg` needs for its model(s), minibatches and frame buffer.
 
-    Per worker: 16 bytes per parameter (see _BYTES_PER_PARAMETER), the spliced frame buffer,
+    Per worker: 16 bytes per parameter (see _BYTES_PER_PARAMETER; 8 more for the outer state of
+    averaging = bmuf or diloco), the spliced frame buffer,
     and the activations of a minibatch with their gradients. An inproc run holds all its
     workers in one process; an MPI or torch rank holds one (ranks may be on other machines).
     """
@@ -692,7 +736,8 @@ def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
     params = parameter_count(m, input_dim, num_pdfs)
     widths = input_dim + 2 * m.hidden_layers * m.hidden_dim + num_pdfs
     buffer = max(cfg.data.buffer_frames, cfg.minibatch, cfg.rbm.minibatch_size) * input_dim * 4
-    per_worker = params * _BYTES_PER_PARAMETER + buffer + 2 * 4 * cfg.minibatch * widths
+    per_parameter = _BYTES_PER_PARAMETER + _AVERAGER_BYTES_PER_PARAMETER.get(cfg.averaging, 0)
+    per_worker = params * per_parameter + buffer + 2 * 4 * cfg.minibatch * widths
     return per_worker * (cfg.ranks if cfg.backend == "inproc" else 1)
 
 

@@ -42,6 +42,8 @@ class RunStarted(Event):
     average_every: int
     effective_lr: float
     start_step: int
+    averaging: str = "model"  # the averaging method (labavg.averagers)
+    bytes_per_round: int = 0  # of the parameter buffer each rank allreduces per round
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Averaged(Event):
     compute_seconds: float  # since the previous round
     comm_seconds: float
     frames_per_second: float  # this rank's training frames / compute seconds in the round
+    bytes_sent: int = 0  # the parameter buffer this rank put into the round's allreduce
 
 
 @dataclass(frozen=True)
@@ -120,3 +123,4 @@ class RunFinished(Event):
     cv_loss: float
     cv_frame_accuracy: float
     stopped: bool = False  # True when stopped on request before the planned end
+    bytes_sent: int = 0  # this rank's parameter bytes over all averaging rounds

@@ -132,6 +132,7 @@ def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -
         "run": name, "status": status, "backend": config.get("backend"),
         "ranks": s.get("ranks", config.get("ranks")),
         "average_every": s.get("average_every", effective_k(config)),
+        "averaging": s.get("averaging", config.get("averaging", "model")),
         "optimizer": config.get("optimizer"), "lr": config.get("lr"),
         "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
         "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),
@@ -141,6 +142,7 @@ def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -
         "cv_frame_accuracy": s.get("cv_frame_accuracy"), "cv_loss": s.get("cv_loss"),
         "wall_seconds": s.get("wall_seconds"), "compute_seconds": s.get("compute_seconds"),
         "comm_seconds": s.get("comm_seconds"), "comm_fraction": s.get("comm_fraction"),
+        "bytes_sent": s.get("bytes_sent"),
         "speedup": s.get("speedup"), "parallel_efficiency": s.get("parallel_efficiency"),
     }
 
@@ -150,9 +152,22 @@ def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
     return run_row(name, summary.get("config", {}), summary)
 
 
+# The settings tables of each averaging method (labavg.averagers): a run reads only its own.
+METHOD_TABLES = {"model": (), "bmuf": ("bmuf",), "diloco": ("diloco",)}
+
+
 def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config dict without the parallel settings: equal for runs whose speedups compare."""
-    return {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS}
+    """A config dict without the parallel settings: equal for runs whose speedups compare.
+
+    The settings of averaging methods a run does not use are left out too, and a run from
+    before the methods existed averaged plainly: such runs compare with today's.
+    """
+    method = cfg.get("averaging", "model")
+    unused = {t for tables in METHOD_TABLES.values() for t in tables} - set(
+        METHOD_TABLES.get(method, ()))
+    out = {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS and k not in unused}
+    out["averaging"] = method
+    return out
 
 
 def _is_baseline(config: dict[str, Any], summary: dict[str, Any] | None) -> bool:

@@ -7,6 +7,10 @@ Bernoulli RBMs above it, each trained by CD-1 on the hidden probabilities of the
 trained. Every rank trains on its own shard and every `average_every` minibatches the RBM's
 parameters are averaged over ranks with one allreduce; the momentum buffers stay local, like an
 optimiser's state.
+
+Pretraining always averages plainly (the averager of `averaging = "model"`), whatever the run's
+`averaging`: block momentum and DiLoCo's outer step are defined for the supervised model, and
+the pretrainer's rounds count RBM minibatches and end with the data, not every K of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from labavg.averaging import average_parameters, broadcast_parameters, flatten_parameters
+from labavg.averagers import Averager
+from labavg.averaging import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
 from labavg.config import RBMConfig  # noqa: F401 (declared with the other settings)
 from labavg.model import DNN
@@ -289,6 +294,8 @@ def _train_rbm(
     device: torch.device,
 ) -> Iterator[RBMEvent]:
     trainer = CD1Trainer(rbm, gaussian, cfg, frames_per_frame=comm.size)
+    # No global copy to restore: an RBM whose every rank diverged ends the run.
+    averager = Averager(flat, comm, average_every, restore=False)
     generator = torch.Generator(device=device)
     # Distinct CD-1 sampling per rank and layer; the initial parameters were broadcast.
     generator.manual_seed(cfg.seed + 1_000_003 * (comm.rank + 1) + layer)
@@ -309,7 +316,7 @@ def _train_rbm(
             step += num
             epoch_error += round_error
             epoch_count += num
-            stats = average_parameters(flat, comm)
+            stats = averager.round(flat)
             yield RBMEvent(comm.rank, layer, epoch, step, round_error / num, stats.divergence)
             if num < average_every:
                 break

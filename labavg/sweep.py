@@ -42,9 +42,10 @@ from labavg.index import SUMMARY, summary_row
 from labavg.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
                          run_dir_lock)
 
-COLUMNS = ("name", "ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch",
-           "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy", "cv_loss", "wall_seconds",
-           "compute_seconds", "comm_seconds", "speedup", "parallel_efficiency")
+COLUMNS = ("name", "ranks", "average_every", "averaging", "optimizer", "pretrain", "schedule",
+           "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",
+           "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds", "bytes_sent", "speedup",
+           "parallel_efficiency")
 
 
 @dataclass(frozen=True)

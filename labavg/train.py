@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from labavg import checkpoint
-from labavg.averaging import average_parameters, broadcast_parameters, flatten_parameters
+from labavg.averagers import make_averager
+from labavg.averaging import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
 from labavg.config import TrainConfig, to_dict
 from labavg.data.base import UtteranceSource
@@ -145,6 +146,7 @@ class Progress:
 
     step: int = 0  # minibatches done since the start of the run
     rounds: int = 0  # averaging rounds done
+    bytes_sent: int = 0  # parameter bytes this rank put into the rounds' allreduces
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     wall_seconds: float = 0.0  # training wall time up to the last checkpoint (resumes add to it)
@@ -212,6 +214,7 @@ def train_rank(
 
     progress = Progress()
     resumed_accepted = None  # Newbob's accepted model of a checkpoint taken mid-epoch
+    resumed_averager = None
     found = checkpoint.latest_step(run_dir) if (resume and run_dir is not None) else None
     if found is not None:
         state = checkpoint.load_rank_state(run_dir, found[0], rank)
@@ -223,6 +226,7 @@ def train_rank(
         optimizer.load_state_dict(state["optimizer"])
         progress = Progress.from_state_dict(state["progress"])
         resumed_accepted = state.get("accepted_params")
+        resumed_averager = state.get("averager")
     elif cfg.pretrain == "rbm":
         yield from _pretrain(model, cfg, source, train_keys, comm, device)
         broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
@@ -230,23 +234,28 @@ def train_rank(
         cv_loss0, cv_acc0 = _global_cv(model, source, cv_keys, cfg, comm, device)
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
 
+    # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
+    # holds the same parameters now, the broadcast or the checkpoint's.
+    averager = make_averager(cfg, flat, comm)
+    if found is not None:
+        averager.load_state_dict(resumed_averager, flat)
     wall_before = progress.wall_seconds
 
     def save() -> CheckpointSaved:
         progress.wall_seconds = wall_before + time.perf_counter() - wall_start
-        return _save(run_dir, comm, progress, flat, optimizer, cfg, accepted_params)
+        return _save(run_dir, comm, progress, flat, optimizer, cfg, accepted_params, averager)
 
     yield RunStarted(
         rank=rank, size=size, pid=os.getpid(), host=socket.gethostname(), device=str(device), num_params=count_parameters(model),
         num_pdfs=source.num_pdfs, input_dim=_input_dim(model),
         steps_per_epoch=num_steps, train_utterances=len(train_keys), cv_utterances=len(cv_keys),
-        average_every=K, effective_lr=lr0, start_step=progress.step,
+        average_every=K, effective_lr=lr0, start_step=progress.step, averaging=averager.method,
+        bytes_per_round=flat.numel() * flat.element_size() if size > 1 else 0,
     )
 
     cv_loss = cv_acc = math.nan
     cv_step = -1
     round_compute, round_frames = 0.0, 0
-    last_average = flat.clone()  # restored if every rank ever diverges at once
     stopped = False
     accepted_params = None
     while progress.step < total_steps and not stopped:
@@ -283,15 +292,16 @@ def train_rank(
                 yield Message(rank=rank, step=step, text="non-finite update skipped")
             apply_fault(fault, rank, step, flat)
             end_of_epoch = step % num_steps == 0
-            if step % K != 0 and not end_of_epoch:
+            if not averager.due(step, end_of_epoch):
                 continue
 
-            # Averaging round (Su & Chen 2015): one allreduce of the flat parameter buffer.
+            # Averaging round (Su & Chen 2015): one allreduce of the flat parameter buffer, then
+            # the method's update of the global model (labavg.averagers).
             wants_stop = should_stop is not None and should_stop()
-            avg = average_parameters(flat, comm, stop=wants_stop, fallback=last_average)
-            last_average.copy_(flat)
+            avg = averager.round(flat, stop=wants_stop)
             progress.rounds += 1
             progress.comm_seconds += avg.comm_seconds
+            progress.bytes_sent += avg.bytes_sent
             if not avg.finite:
                 yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
                               "average; this rank restarts from the averaged model")
@@ -299,6 +309,7 @@ def train_rank(
                 rank=rank, round=progress.rounds, step=step, divergence=avg.divergence,
                 compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
                 frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
+                bytes_sent=avg.bytes_sent,
             )
             round_compute, round_frames = 0.0, 0
             if avg.stop:
@@ -322,7 +333,7 @@ def train_rank(
             accepted, progress.newbob = decision.accept, decision.state
             if not accepted:  # Newbob rejects the epoch: back to the last accepted model
                 flat.copy_(accepted_params)
-                last_average.copy_(flat)
+                averager.restart(flat)
             if decision.stop:
                 yield Message(rank=rank, step=progress.step, text="Newbob schedule stopped training")
                 total_steps = progress.step
@@ -343,7 +354,7 @@ def train_rank(
         rank=rank, step=progress.step, wall_seconds=wall_before + time.perf_counter() - wall_start,
         compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
         averaging_rounds=progress.rounds, frames_trained=progress.step * cfg.minibatch * size,
-        cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped,
+        cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped, bytes_sent=progress.bytes_sent,
     )
 
 
@@ -363,7 +374,7 @@ def _learning_rate(newbob, lr0, lr_final, step, total_steps) -> float:
 
 
 def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg,
-          accepted_params=None) -> CheckpointSaved:
+          accepted_params=None, averager=None) -> CheckpointSaved:
     """Every rank saves its file; rank 0 publishes the checkpoint once all are on disk."""
     state = {
         "params": flat.detach().cpu().clone(),
@@ -371,6 +382,8 @@ def _save(run_dir, comm, progress: Progress, flat, optimizer, cfg,
         "progress": progress.state_dict(),
         "config": to_dict(cfg),
     }
+    if averager is not None:
+        state["averager"] = averager.state_dict()
     if accepted_params is not None:
         state["accepted_params"] = accepted_params.detach().cpu().clone()
     checkpoint.save_rank_state(run_dir, progress.step, comm.rank, state)

@@ -1,0 +1,233 @@
+"""Averagers: what one averaging round does with the workers' models.
+
+An averager owns the averaging policy of a run: the interval K, the global model every worker
+starts the next block of K minibatches from, any outer-optimizer state, and what each round
+measured (divergence, seconds, bytes). `round(flat)` runs one round on this rank's flat
+parameter buffer; a method differs from plain averaging only in `update`, which turns the
+global model and the new average into the next global model. Every method averages with ONE
+allreduce (`labavg.averaging.average_parameters`), which also leaves non-finite ranks out.
+
+Notation (the papers'): N workers, W_i(t) worker i's model after block t, W̄(t) their average.
+
+model (Su & Chen 2015, Sec. 2; the default)
+    the next block starts from the average: W_g(t) = W̄(t).
+
+bmuf (Chen & Huo 2016, "Scalable training of deep learning machines by incremental block
+training with intra-block parallel optimization and blockwise model-update filtering", Sec. 2)
+    G(t) = W̄(t) - W_g(t-1)                    (1)  the block's model update
+    Δ(t) = η Δ(t-1) + ζ G(t),  0 <= η < 1, ζ > 0   (2)  blockwise model-update filtering
+    W(t) = W(t-1) + Δ(t)                       (3)
+    W_g(t) = W(t)                              (4)  classical block momentum (CBM)
+    W_g(t) = W(t) + η Δ(t)                     (5)  Nesterov block momentum (NBM)
+    with η the block momentum, ζ the block learning rate, and W_g(t) the model the workers
+    start block t+1 from. Over many blocks a steady G is amplified by ζ / (1 - η).
+
+diloco (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
+Models", Algorithm 1)
+    Δ(t) = (1/N) Σ_i (θ(t-1) - θ_i(t)) = θ(t-1) - θ̄(t)     the outer gradient
+    θ(t) = OuterOpt(θ(t-1), Δ(t)), OuterOpt = SGD with Nesterov momentum (Sutskever et al.
+    2013, as torch.optim.SGD): m(t) = μ m(t-1) + Δ(t);  θ(t) = θ(t-1) - α (Δ(t) + μ m(t)),
+    or θ(t) = θ(t-1) - α m(t) without Nesterov; α the outer learning rate, μ the momentum.
+
+Both outer updates are computed as an offset from the average rather than from the global
+model: in real numbers W(t-1) + Δ(t) (or θ(t-1) - α Δ(t)) equals W̄(t) + (ζ - 1) G(t) + ...,
+but in floating point W + (W̄ - W) is not W̄. Written around W̄, the settings that reduce a
+method to plain averaging (η = 0, ζ = 1; α = 1, μ = 0) give the average bit for bit.
+
+With one rank there is nothing to average (no allreduce, no bytes), but bmuf and diloco still
+apply their outer step to the one worker's block: DiLoCo with one worker is a method of its
+own (the paper's k = 1), and a 1-rank run of a method is the baseline of its N-rank runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from labavg.averaging import AverageStats, average_parameters
+from labavg.comm.base import Communicator
+from labavg.config import BMUFConfig, DiLoCoConfig, TrainConfig
+
+
+class Averager:
+    """Plain model averaging (the paper's): the next block starts from the average.
+
+    `every` is K, the minibatches between rounds (a round also ends every epoch). With
+    `restore` the averager keeps the global model the block started from, which every rank
+    takes back if all of them diverge at once; without, that case raises FloatingPointError.
+    """
+
+    method: ClassVar[str] = "model"
+
+    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+                 restore: bool = True) -> None:
+        if every < 1:
+            raise ValueError(f"the averaging interval must be >= 1, got {every}")
+        self.comm = comm
+        self.every = every
+        self.restore = restore or self.keeps_global
+        # The global model the current block started from (W_g(t-1) above).
+        self.global_model = flat.clone() if self.restore else None
+
+    # What a subclass changes ------------------------------------------------------------------
+
+    keeps_global: ClassVar[bool] = False  # True when `update` needs the block's starting model
+
+    def update(self, global_model: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        """The model the next block starts from, given the one this block started from and the
+        workers' average (which it may overwrite in place and return)."""
+        return average
+
+    def reset(self) -> None:
+        """Forget the outer optimizer's state (none for plain averaging)."""
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        """The outer optimizer's tensors, for the checkpoint."""
+        return {}
+
+    # The round --------------------------------------------------------------------------------
+
+    def due(self, step: int, end_of_epoch: bool) -> bool:
+        """Whether the round comes after minibatch `step` (every K-th, and every epoch end)."""
+        return step % self.every == 0 or end_of_epoch
+
+    def round(self, flat: torch.Tensor, stop: bool = False) -> AverageStats:
+        """One averaging round on this rank's parameters `flat` (in place, every rank at once).
+
+        Afterwards `flat` holds the model the next block starts from, the same on every rank.
+        `comm_seconds` of the result covers the whole round, the outer update included.
+        """
+        start = time.perf_counter()
+        stats = average_parameters(flat, self.comm, stop=stop, fallback=self.global_model)
+        # When every rank diverged there is no average: all restart from the old global model
+        # and the outer state stays as it was, as if the block had not happened.
+        if stats.dropped < self.comm.size and self.keeps_global:
+            new = self.update(self.global_model, flat)
+            if new is not flat:
+                flat.copy_(new)
+        if self.global_model is not None:
+            self.global_model.copy_(flat)
+        return dataclasses.replace(stats, comm_seconds=time.perf_counter() - start)
+
+    def restart(self, flat: torch.Tensor) -> None:
+        """Start the next block from `flat` (Newbob's rolled-back model) with a fresh outer
+        optimizer: the momentum of a rejected epoch points the way Newbob just refused."""
+        if self.global_model is not None:
+            self.global_model.copy_(flat)
+        self.reset()
+
+    # Checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs besides the parameters (loadable with weights_only=True).
+
+        A checkpoint is taken right after a round, when every rank's parameters are the global
+        model; so the global model itself is not saved again, only the outer optimizer's state.
+        """
+        return {"method": self.method,
+                **{k: v.detach().cpu().clone() for k, v in self.outer_state().items()}}
+
+    def load_state_dict(self, state: dict[str, Any] | None, flat: torch.Tensor) -> None:
+        """Continue from a checkpoint whose parameters `flat` has just been loaded.
+
+        `state` None is a checkpoint written before averagers had a state: plain averaging.
+        """
+        method = "model" if state is None else state.get("method")
+        if method != self.method:
+            raise ValueError(f"the checkpoint was trained with averaging {method!r}, "
+                             f"this run uses {self.method!r}")
+        if self.global_model is not None:
+            self.global_model.copy_(flat)
+        for name, tensor in self.outer_state().items():
+            saved = state[name]
+            if saved.shape != tensor.shape:
+                raise ValueError(f"the checkpoint's averager state {name} holds {saved.numel()} "
+                                 f"values, the model has {tensor.numel()}")
+            tensor.copy_(saved.to(tensor.device))
+
+
+class BMUFAverager(Averager):
+    """Blockwise model-update filtering (Chen & Huo 2016, equations (1)-(5) above)."""
+
+    method: ClassVar[str] = "bmuf"
+    keeps_global: ClassVar[bool] = True
+
+    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+                 restore: bool = True, config: BMUFConfig | None = None) -> None:
+        super().__init__(flat, comm, every, restore)
+        config = config or BMUFConfig()
+        self.eta, self.zeta, self.nesterov = config.momentum, config.block_lr, config.nesterov
+        self.delta = torch.zeros_like(flat)  # Δ(t-1), the same on every rank
+
+    def update(self, global_model: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        eta, zeta = self.eta, self.zeta
+        g = average - global_model  # G(t), eq. (1)
+        # W(t) by eq. (3) with Δ(t) from eq. (2), around W̄(t) (see the module docstring):
+        # NBM: W_g(t-1) = W(t-1) + η Δ(t-1), so W(t) = W̄(t) + (ζ - 1) G(t);
+        # CBM: W_g(t-1) = W(t-1),            so W(t) = W̄(t) + (ζ - 1) G(t) + η Δ(t-1).
+        w = average.add_(g, alpha=zeta - 1.0)
+        if not self.nesterov:
+            w.add_(self.delta, alpha=eta)
+        self.delta.mul_(eta).add_(g, alpha=zeta)  # eq. (2)
+        if self.nesterov:
+            w.add_(self.delta, alpha=eta)  # eq. (5); eq. (4) is w itself
+        return w
+
+    def reset(self) -> None:
+        self.delta.zero_()
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        return {"delta": self.delta}
+
+
+class DiLoCoAverager(Averager):
+    """DiLoCo's outer step (Douillard et al. 2023, Algorithm 1): Nesterov SGD on the outer
+    gradient, the global model minus the average."""
+
+    method: ClassVar[str] = "diloco"
+    keeps_global: ClassVar[bool] = True
+
+    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+                 restore: bool = True, config: DiLoCoConfig | None = None) -> None:
+        super().__init__(flat, comm, every, restore)
+        config = config or DiLoCoConfig()
+        self.alpha, self.mu, self.nesterov = config.outer_lr, config.momentum, config.nesterov
+        self.momentum = torch.zeros_like(flat)  # m(t-1), the same on every rank
+
+    def update(self, global_model: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        alpha, mu = self.alpha, self.mu
+        outer_grad = global_model - average  # Δ(t)
+        # θ(t) = θ(t-1) - α (Δ(t) + μ m(t))  = θ̄(t) + (1 - α) Δ(t) - α μ m(t)    (Nesterov)
+        # θ(t) = θ(t-1) - α m(t)             = θ̄(t) + (1 - α) Δ(t) - α μ m(t-1)  (plain)
+        theta = average.add_(outer_grad, alpha=1.0 - alpha)
+        if not self.nesterov:
+            theta.add_(self.momentum, alpha=-alpha * mu)
+        self.momentum.mul_(mu).add_(outer_grad)
+        if self.nesterov:
+            theta.add_(self.momentum, alpha=-alpha * mu)
+        return theta
+
+    def reset(self) -> None:
+        self.momentum.zero_()
+
+    def outer_state(self) -> dict[str, torch.Tensor]:
+        return {"momentum": self.momentum}
+
+
+AVERAGERS: dict[str, type[Averager]] = {
+    cls.method: cls for cls in (Averager, BMUFAverager, DiLoCoAverager)}
+
+
+def make_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator) -> Averager:
+    """The averager of a training run: `cfg.averaging`'s method, its settings, K."""
+    every = cfg.averaging_interval()
+    if cfg.averaging == "bmuf":
+        return BMUFAverager(flat, comm, every, config=cfg.bmuf)
+    if cfg.averaging == "diloco":
+        return DiLoCoAverager(flat, comm, every, config=cfg.diloco)
+    if cfg.averaging == "model":
+        return Averager(flat, comm, every)
+    raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: {', '.join(AVERAGERS)}")
