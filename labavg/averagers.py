@@ -13,7 +13,8 @@ model (Su & Chen 2015, Sec. 2; the default)
     the next block starts from the average: W_g(t) = W̄(t).
 
 bmuf (Chen & Huo 2016, "Scalable training of deep learning machines by incremental block
-training with intra-block parallel optimization and blockwise model-update filtering", Sec. 2)
+training with intra-block parallel optimization and blockwise model-update filtering", Sec. 2;
+numbered here in the order Sec. 2 introduces them, not checked against the paper's own numbers)
     G(t) = W̄(t) - W_g(t-1)                    (1)  the block's model update
     Δ(t) = η Δ(t-1) + ζ G(t),  0 <= η < 1, ζ > 0   (2)  blockwise model-update filtering
     W(t) = W(t-1) + Δ(t)                       (3)
