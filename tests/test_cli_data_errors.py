@@ -107,3 +107,14 @@ def test_pipe_in_a_data_file_runs_nothing_and_exits_2(tmp_path, table):
     assert f"{table} line" in proc.stderr and "is a pipe" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not marker.exists() and not (out / "events.jsonl").exists()
+
+
+def test_a_comma_in_the_corpus_path_is_refused_before_anything_is_written(tmp_path, capsys):
+    from labavg.cli import main
+
+    out = tmp_path / "a,b"
+    assert main(["corpus", "synth", str(out), "--hours", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"labavg: error: corpus directory {str(out)!r}: Kaldi's file specifiers "
+                           "cannot hold a comma in a path; choose one without")
+    assert list(tmp_path.iterdir()) == []

@@ -639,6 +639,10 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     the same way.
     """
     start = time.perf_counter()
+    if "," in str(Path(out_dir).resolve()):
+        # Kaldi's "ark,scp:A,B" specifiers split at commas: such a path cannot be written or read
+        raise UserError(f"corpus directory {str(out_dir)!r}: Kaldi's file specifiers cannot hold "
+                        "a comma in a path; choose one without")
     if not (hours > 0 and np.isfinite(hours)):
         raise UserError(f"hours must be a positive number, got {hours!r}")
     for name, value in (("dev_hours", dev_hours), ("test_hours", test_hours)):
