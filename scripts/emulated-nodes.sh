@@ -11,7 +11,10 @@
 # Node i is namespace labavg-n<i> with interface lab0 at 198.18.0.<i+1>/24; its veth peer
 # lbn<i> sits on bridge labavg-br0 (198.18.0.254/24) in the root namespace, where mpiexec runs.
 # tbf shapes both ends of every link (traffic leaving a node, and traffic the bridge sends into
-# it), as a switch port of RATE would. One emulation per machine: `up` replaces any previous one.
+# it), as a switch port of RATE would. Its bucket (LABAVG_TBF_BURST bytes; default 1 ms of RATE,
+# at least 128 KiB) passes a message that fits in it at veth speed: smaller buckets shape small
+# messages too but, on a busy machine, lose throughput on large ones (docs/cost-model.md,
+# "Measured links"). One emulation per machine: `up` replaces any previous one.
 #
 # `up` writes, in $LABAVG_NODES_DIR (default /run/labavg-nodes):
 #   hosts      the node addresses, comma-separated: labavg train --hosts "$(cat hosts)"
@@ -95,9 +98,10 @@ shape() {  # shape DEV [NETNS]: tbf at RATE on DEV's egress
     [ "$RATE" = none ] && return 0
     local bytes burst limit
     bytes=$(rate_bytes_per_s "$RATE")
-    # The bucket holds 1 ms of traffic, and at least two 64 KiB GSO segments: smaller, and a
-    # late timer on a busy machine loses tokens, so the link runs below RATE.
-    burst=$(( bytes / 1000 > 131072 ? bytes / 1000 : 131072 ))
+    # The bucket holds 1 ms of traffic, and at least two 64 KiB GSO segments: with less, a
+    # late timer on a busy machine loses tokens and the link runs below RATE (1gbit with 16 KiB:
+    # a 32 MB allreduce took 357 ms, against 301 ms with 128 KiB).
+    burst=${LABAVG_TBF_BURST:-$(( bytes / 1000 > 131072 ? bytes / 1000 : 131072 ))}
     # 10 ms of queue: TCP sees a bottleneck, not drops from a queue shorter than a window.
     limit=$(( bytes / 100 + burst ))
     ${ns:+ip netns exec "$ns"} tc qdisc replace dev "$dev" root tbf rate "$RATE" burst "$burst" \
@@ -148,6 +152,8 @@ up() {
         [ "$bytes" -ge 125000 ] && [ "$bytes" -le 12500000000 ] \
             || bad "RATE '$RATE': choose from 1mbit to 100gbit, or none"
     fi
+    [ -z "${LABAVG_TBF_BURST:-}" ] || [[ $LABAVG_TBF_BURST =~ ^[1-9][0-9]{3,9}$ ]] \
+        || bad "LABAVG_TBF_BURST '$LABAVG_TBF_BURST': bytes, 1000 or more"
     [ "$(id -u)" -eq 0 ] || bad "network namespaces need root"
     down
     # From here a failure removes whatever was made so far.

@@ -151,15 +151,16 @@ def loopback(netns, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _placement(nodes: Nodes) -> list[int]:
+def _placement(nodes: Nodes, tmp_path: Path) -> list[int]:
     """The network namespace (inode) each of 2 MPI ranks runs in, in rank order."""
+    # A file per rank: hydra forwards the ranks' stdout in chunks that can interleave mid-line.
     probe = subprocess.run(
         [str(find_mpiexec()), "-n", "2", "-hosts", ",".join(nodes.hosts), PYTHON, "-c",
-         "import os; print(os.environ['PMI_RANK'], os.stat('/proc/self/ns/net').st_ino)"],
-        capture_output=True, text=True, env=_env(nodes), timeout=60)
+         "import os, pathlib; pathlib.Path(f'{os.environ[\"PROBE_DIR\"]}/{os.environ[\"PMI_RANK\"]}')"
+         ".write_text(str(os.stat('/proc/self/ns/net').st_ino))"],
+        capture_output=True, text=True, env={**_env(nodes), "PROBE_DIR": str(tmp_path)}, timeout=60)
     assert probe.returncode == 0, probe.stderr
-    ranks = dict(line.split() for line in probe.stdout.splitlines())
-    return [int(ranks[str(r)]) for r in range(2)]
+    return [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
 
 
 def _namespace_inodes(nodes: Nodes) -> list[int]:
@@ -167,7 +168,7 @@ def _namespace_inodes(nodes: Nodes) -> list[int]:
 
 
 def test_mpi_hosts_across_nodes_matches_loopback_bitwise(nodes, loopback, corpus, tmp_path):
-    assert _placement(nodes) == _namespace_inodes(nodes)  # rank i on node i
+    assert _placement(nodes, tmp_path) == _namespace_inodes(nodes)  # rank i on node i
     before = [nodes.sent_bytes(i) for i in range(2)]
     out = tmp_path / "net"
     proc = _labavg("train", *_common(corpus), "--out", str(out), "--hosts", ",".join(nodes.hosts),
@@ -201,10 +202,9 @@ def test_torchrun_nnodes_2_c10d_across_nodes(nodes, loopback, corpus, tmp_path):
                 # and which resolves outside them all (the workers then hang): say both.
                 "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", nodes.hosts[i],
                 "-m", "labavg", "train", *_common(corpus, "torch"), "--out", str(out)]
-            log = open(tmp_path / f"node{i}.log", "w")
-            procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                          env=_env(nodes), start_new_session=True))
-            log.close()
+            with open(tmp_path / f"node{i}.log", "w") as log:
+                procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                              env=_env(nodes), start_new_session=True))
         codes = [p.wait(timeout=240) for p in procs]
     finally:
         for p in procs:
@@ -222,7 +222,7 @@ def test_torchrun_nnodes_2_c10d_across_nodes(nodes, loopback, corpus, tmp_path):
 
 
 def test_rank_killed_on_the_second_node_ends_the_job_cleanly(nodes, loopback, corpus, tmp_path):
-    assert _placement(nodes)[1] == _namespace_inodes(nodes)[1]  # rank 1 runs on node 1
+    assert _placement(nodes, tmp_path)[1] == _namespace_inodes(nodes)[1]  # rank 1 runs on node 1
     out = tmp_path / "cut"
     hosts = ",".join(nodes.hosts)
     start = time.monotonic()
