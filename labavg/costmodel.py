@@ -5,7 +5,8 @@ minibatches. Communication follows the alpha-beta (latency-bandwidth) model of T
 Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA
 2005); compute is the 1-rank time per minibatch, slowed by a constant factor and a fixed
 per-epoch overhead once more than one rank runs. `fit_paper_table` fits the free parameters to
-the paper's measured times; `predict` applies the model to a labavg run's own costs.
+the paper's measured times; `fit_network` fits alpha and beta of a link to measured allreduce
+times (benchmarks/bench_network.py); `predict` applies the model to a labavg run's own costs.
 See docs/cost-model.md for the equations, fitted values and assumptions.
 
 Pure functions and frozen dataclasses; numpy only.

@@ -190,6 +190,7 @@ def test_mpi_hosts_across_nodes_matches_loopback_bitwise(nodes, loopback, corpus
 def test_torchrun_nnodes_2_c10d_across_nodes(nodes, loopback, corpus, tmp_path):
     out = tmp_path / "torch"
     endpoint = f"{nodes.hosts[0]}:29400"  # a fresh namespace: nothing else listens there
+    before = [nodes.sent_bytes(i) for i in range(2)]
     procs = []
     try:
         for i, ns in enumerate(nodes.namespaces):
@@ -215,6 +216,9 @@ def test_torchrun_nnodes_2_c10d_across_nodes(nodes, loopback, corpus, tmp_path):
     assert codes == [0, 0], logs
     summary = read_summary(out)
     assert summary["ranks"] == 2 and summary["backend"] == "torch"
+    least = summary["averaging_rounds"] * 4 * summary["num_params"] // 2  # gloo's ring: n/2 out
+    sent = [nodes.sent_bytes(i) - before[i] for i in range(2)]
+    assert all(s >= least for s in sent), (sent, least)
     assert {e["rank"] for e in read_events(out) if e["type"] == "run_finished"} == {0, 1}
     assert nodes.wait_empty() == {}
     # gloo's 2-rank sum is also one addition per element: the same model as MPI on loopback.
