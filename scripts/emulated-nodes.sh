@@ -84,7 +84,10 @@ down() {
     for link in $(our_links); do
         ip link del "$link" 2>/dev/null || true
     done
-    rm -rf -- "$STATE"
+    # Only the files `up` writes, then the directory if that leaves it empty: LABAVG_NODES_DIR
+    # may name a directory that holds other things.
+    rm -f -- "$STATE/hosts" "$STATE/env" "$STATE/launcher" "$STATE/nodes"
+    rmdir -- "$STATE" 2>/dev/null || true
     local left
     left="$(our_namespaces)$(our_links)"
     if [ -n "$left" ]; then
