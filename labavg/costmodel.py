@@ -5,7 +5,8 @@ minibatches. Communication follows the alpha-beta (latency-bandwidth) model of T
 Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA
 2005); compute is the 1-rank time per minibatch, slowed by a constant factor and a fixed
 per-epoch overhead once more than one rank runs. `fit_paper_table` fits the free parameters to
-the paper's measured times; `predict` applies the model to a labavg run's own costs.
+the paper's measured times; `fit_network` fits alpha and beta of a link to measured allreduce
+times (benchmarks/bench_network.py); `predict` applies the model to a labavg run's own costs.
 See docs/cost-model.md for the equations, fitted values and assumptions.
 
 Pure functions and frozen dataclasses; numpy only.
@@ -86,6 +87,66 @@ class Network:
 # ~11 GB/s with ~2 us per message.
 TEN_GBE = Network("10GbE", alpha=50e-6, beta=1.0 / 1.1e9)
 INFINIBAND = Network("InfiniBand-EDR-like", alpha=2e-6, beta=1.0 / 11e9)
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """One measured allreduce: `ranks` ranks, `n_bytes` per rank, median `seconds`."""
+
+    ranks: int
+    n_bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A Network fitted to measured allreduce times, and each sample next to the fit."""
+
+    network: Network
+    algorithm: Algorithm
+    samples: tuple[LinkSample, ...]
+
+    def fitted_seconds(self, sample: LinkSample) -> float:
+        """The fitted model's time for `sample`'s ranks and bytes."""
+        return allreduce_seconds(sample.ranks, sample.n_bytes, self.network.alpha,
+                                 self.network.beta, self.algorithm)
+
+    @property
+    def errors_pct(self) -> tuple[float, ...]:
+        """(fitted - measured) / measured per sample, in percent."""
+        return tuple(100.0 * (self.fitted_seconds(s) - s.seconds) / s.seconds for s in self.samples)
+
+    @property
+    def rms_error_pct(self) -> float:
+        """Root mean square of `errors_pct`."""
+        errors = self.errors_pct
+        return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+    @property
+    def max_error_pct(self) -> float:
+        """Largest |error| in percent."""
+        return max(abs(e) for e in self.errors_pct)
+
+
+def fit_network(name: str, samples: Sequence[LinkSample],
+                algorithm: Algorithm = "rabenseifner") -> LinkFit:
+    """alpha and beta of a link from measured allreduce times, by least squares.
+
+    Each sample gives one equation `a(p, n) alpha + b(p, n) beta = seconds` with the
+    coefficients of `allreduce_coefficients`; rows are divided by the measured time, so the
+    fit minimises relative error (a 4 KB and a 32 MB allreduce count alike), and alpha, beta
+    are kept >= 0. Needs samples at two or more distinct byte counts with p > 1.
+    """
+    samples = tuple(samples)
+    if any(s.ranks < 2 or s.n_bytes < 0 or not s.seconds > 0 for s in samples):
+        raise UserError("each sample needs ranks >= 2, n_bytes >= 0 and seconds > 0")
+    if len({(s.ranks, s.n_bytes) for s in samples}) < 2:
+        raise UserError(f"need samples at two or more sizes to fit alpha and beta, got "
+                        f"{len(samples)}")
+    coef = np.array([allreduce_coefficients(s.ranks, s.n_bytes, algorithm) for s in samples])
+    seconds = np.array([s.seconds for s in samples])
+    alpha, beta = _nonneg_lstsq(coef / seconds[:, None], np.ones_like(seconds))
+    return LinkFit(Network(name, float(alpha), float(beta)), algorithm, samples)
 
 
 # --------------------------------------------------------------------------- epoch time

@@ -232,6 +232,7 @@ class JobRun:
             raise
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
+        self._launcher_lines: list[str] = []
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
         self._relay.start()
@@ -248,6 +249,11 @@ class JobRun:
                 self._errors.append(message)
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
+            elif _HYDRA_TRACE.match(line):
+                # Across hosts, the proxies and mpiexec trace how they noticed a lost process;
+                # held back, and shown only if labavg cannot say which rank was lost.
+                self._launcher_lines.append(line)
+                continue
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -262,10 +268,12 @@ class JobRun:
                 sys.stdout.flush()
             code = self._proc.wait()
             self._relay.join()
+            lost = _lost_ranks(self.run_dir, self._lost_pids)
+            if code == 0 or not lost:
+                sys.stderr.writelines(self._launcher_lines)
             if code != 0 and not self._errors:
                 print(f"labavg: error: the {_job_kind(self.cfg)} job failed (exit status {code}); "
-                      f"{_lost_ranks(self.run_dir, self._lost_pids)}{_last_steps(self.run_dir)}",
-                      file=sys.stderr)
+                      f"{lost}{_last_steps(self.run_dir)}", file=sys.stderr)
             self.code = code
         finally:
             self._held.close()
@@ -306,6 +314,8 @@ def _end_with_parent() -> None:
 # What hydra and MPICH print about a failed job, which labavg's own message replaces.
 _HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
                 "application called MPI_Abort")
+# hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".
+_HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
 
 
 def _lost_ranks(run_dir: Path, pids: set[int]) -> str:

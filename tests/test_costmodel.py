@@ -6,6 +6,7 @@ import pytest
 
 from labavg.costmodel import (
     INFINIBAND,
+    LinkSample,
     PAPER_SETUP,
     PAPER_SPEEDUPS,
     PAPER_TABLE,
@@ -18,6 +19,7 @@ from labavg.costmodel import (
     dnn_num_params,
     epoch_time,
     fit_paper_table,
+    fit_network,
     fit_table,
     fitted_epoch_time,
     fitted_speedup,
@@ -162,3 +164,37 @@ def test_predictions_monotone_in_k_and_bounded_by_ideal(network):
     if network is TEN_GBE:
         ib = {(q.ranks, q.K): q for q in predict(m, [64], network=INFINIBAND)}
         assert ib[64, 10].speedup > preds[64, 10].speedup
+
+
+SIZES = [4096 * 4**k for k in range(7)]  # 4 KB .. 16 MB, as benchmarks/bench_network.py
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
+def test_fit_network_recovers_alpha_and_beta(algorithm):
+    samples = [LinkSample(p, n, allreduce_seconds(p, n, 40e-6, 1 / 117e6, algorithm))
+               for p in (2, 4) for n in SIZES]
+    fit = fit_network("1 Gb/s", samples, algorithm)
+    assert fit.network.alpha == pytest.approx(40e-6, rel=1e-6)
+    assert fit.network.beta == pytest.approx(1 / 117e6, rel=1e-6)
+    assert fit.max_error_pct < 1e-6 and fit.network.name == "1 Gb/s"
+
+
+def test_fit_network_error_is_relative_per_sample():
+    exact = [LinkSample(2, n, allreduce_seconds(2, n, 1e-4, 1e-8)) for n in SIZES]
+    off = LinkSample(2, 1e6, 1.25 * allreduce_seconds(2, 1e6, 1e-4, 1e-8))  # 25 % slow
+    fit = fit_network("noisy", [*exact, off])
+    errors = fit.errors_pct
+    assert errors[-1] < -15  # the slow sample is measured above the fit
+    assert max(abs(e) for e in errors[:-1]) < 5
+    assert fit.max_error_pct == pytest.approx(abs(errors[-1]))
+    assert 0 < fit.rms_error_pct < fit.max_error_pct
+
+
+@pytest.mark.parametrize("samples", [
+    [LinkSample(2, 4096, 1e-3)],  # one size: alpha and beta not separable
+    [LinkSample(1, 4096, 1e-3), LinkSample(1, 8192, 2e-3)],  # one rank moves nothing
+    [LinkSample(2, 4096, 0.0), LinkSample(2, 8192, 1e-3)],
+])
+def test_fit_network_bad_samples(samples):
+    with pytest.raises(UserError):
+        fit_network("bad", samples)
