@@ -234,7 +234,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 hosts=args.hosts, progress=progress).wait()
         except JobFailed as exc:  # its ranks have said why
             return exc.code
-    if summary is not None:
+    if summary is not None and not args.config_json:  # a rank labavg started: its parent says it
         print(format_table([{"run": cfg.out, **summary}]))
         print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
     return 0

@@ -150,6 +150,7 @@ def test_mpi_ranks_match_inproc_workers(corpus, tmp_path):
     ranks = {e["rank"] for e in read_events(tmp_path / "mpi") if e["type"] == "average"}
     assert ranks == {0, 1}
     assert "| 2 |" in mpi.stdout  # the results table
+    assert mpi.stdout.count("| run |") == 1, "printed once, by labavg, not also by rank 0"
 
 
 def test_torchrun_ranks_match_inproc_workers(corpus, tmp_path):
