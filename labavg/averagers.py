@@ -5,7 +5,8 @@ starts the next block of K minibatches from, any outer-optimizer state, and what
 measured (divergence, seconds, bytes). `round(flat)` runs one round on this rank's flat
 parameter buffer; a method differs from plain averaging only in `update`, which turns the
 global model and the new average into the next global model. Every method averages with ONE
-allreduce (`labavg.averaging.average_parameters`), which also leaves non-finite ranks out.
+allreduce (`labavg.averaging.average_parameters`), which also leaves non-finite ranks out; the
+run's `reduce` setting picks how that mean is computed (labavg.comm.reduce), for every method.
 
 Notation (the papers'): N workers, W_i(t) worker i's model after block t, W̄(t) their average.
 
@@ -50,6 +51,7 @@ import torch
 
 from labavg.averaging import AverageStats, average_parameters
 from labavg.comm.base import Communicator
+from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
 from labavg.config import BMUFConfig, DiLoCoConfig, TrainConfig
 
 
@@ -59,16 +61,21 @@ class Averager:
     `every` is K, the minibatches between rounds (a round also ends every epoch). With
     `restore` the averager keeps the global model the block started from, which every rank
     takes back if all of them diverge at once; without, that case raises FloatingPointError.
+    `reduce` is the algorithm that computes the mean (labavg.comm.reduce.ALGORITHMS).
     """
 
     method: ClassVar[str] = "model"
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
-                 restore: bool = True) -> None:
+                 restore: bool = True, reduce: str = "allreduce") -> None:
         if every < 1:
             raise ValueError(f"the averaging interval must be >= 1, got {every}")
+        if reduce not in REDUCE_ALGORITHMS:
+            raise ValueError(f"unknown reduce algorithm {reduce!r}; known: "
+                             f"{', '.join(REDUCE_ALGORITHMS)}")
         self.comm = comm
         self.every = every
+        self.reduce = reduce
         self.restore = restore or self.keeps_global
         # The global model the current block started from (W_g(t-1) above).
         self.global_model = flat.clone() if self.restore else None
@@ -102,7 +109,8 @@ class Averager:
         `comm_seconds` of the result covers the whole round, the outer update included.
         """
         start = time.perf_counter()
-        stats = average_parameters(flat, self.comm, stop=stop, fallback=self.global_model)
+        stats = average_parameters(flat, self.comm, stop=stop, fallback=self.global_model,
+                                   reduce=self.reduce)
         # When every rank diverged there is no average: all restart from the old global model
         # and the outer state stays as it was, as if the block had not happened.
         if stats.dropped < self.comm.size and self.keeps_global:
@@ -157,8 +165,9 @@ class BMUFAverager(Averager):
     keeps_global: ClassVar[bool] = True
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
-                 restore: bool = True, config: BMUFConfig | None = None) -> None:
-        super().__init__(flat, comm, every, restore)
+                 restore: bool = True, config: BMUFConfig | None = None,
+                 reduce: str = "allreduce") -> None:
+        super().__init__(flat, comm, every, restore, reduce)
         config = config or BMUFConfig()
         self.eta, self.zeta, self.nesterov = config.momentum, config.block_lr, config.nesterov
         self.delta = torch.zeros_like(flat)  # Δ(t-1), the same on every rank
@@ -192,8 +201,9 @@ class DiLoCoAverager(Averager):
     keeps_global: ClassVar[bool] = True
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
-                 restore: bool = True, config: DiLoCoConfig | None = None) -> None:
-        super().__init__(flat, comm, every, restore)
+                 restore: bool = True, config: DiLoCoConfig | None = None,
+                 reduce: str = "allreduce") -> None:
+        super().__init__(flat, comm, every, restore, reduce)
         config = config or DiLoCoConfig()
         self.alpha, self.mu, self.nesterov = config.outer_lr, config.momentum, config.nesterov
         self.momentum = torch.zeros_like(flat)  # m(t-1), the same on every rank
@@ -223,12 +233,12 @@ AVERAGERS: dict[str, type[Averager]] = {
 
 
 def make_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator) -> Averager:
-    """The averager of a training run: `cfg.averaging`'s method, its settings, K."""
-    every = cfg.averaging_interval()
+    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`."""
+    every, reduce = cfg.averaging_interval(), cfg.reduce
     if cfg.averaging == "bmuf":
-        return BMUFAverager(flat, comm, every, config=cfg.bmuf)
+        return BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce)
     if cfg.averaging == "diloco":
-        return DiLoCoAverager(flat, comm, every, config=cfg.diloco)
+        return DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce)
     if cfg.averaging == "model":
-        return Averager(flat, comm, every)
+        return Averager(flat, comm, every, reduce=reduce)
     raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: {', '.join(AVERAGERS)}")

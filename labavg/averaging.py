@@ -1,6 +1,7 @@
 """Periodic model averaging (Su & Chen 2015, Sec. 2): every K minibatches each rank's
 parameters are replaced by the mean over ranks, computed with ONE allreduce over one flat
-buffer. This module only sees an injected communicator.
+buffer (or one run of a reduce algorithm over it, labavg.comm.reduce). This module only sees
+an injected communicator.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from labavg.comm.base import Communicator
+from labavg.comm.reduce import reduce_mean
 
 
 def flatten_parameters(modules: list[nn.Module]) -> torch.Tensor:
@@ -60,6 +62,7 @@ def average_parameters(
     *,
     stop: bool = False,
     fallback: torch.Tensor | None = None,
+    reduce: str = "allreduce",
 ) -> AverageStats:
     """Replace `flat` on every rank with the mean over ranks (in place).
 
@@ -68,6 +71,11 @@ def average_parameters(
     contributes zeros and the mean is taken over the finite ranks, so one diverged worker
     never poisons the averaged model. If no rank is finite, every rank restores `fallback`
     (the previous average) when given, else FloatingPointError is raised on every rank.
+
+    `reduce` picks how the parameters' mean is computed (labavg.comm.reduce.ALGORITHMS). The
+    two numbers always go through the backend's own allreduce: 16 bytes, where any algorithm
+    costs its latency alone, and their sum decides what every rank does next, so it must not
+    wait on the algorithm it guards.
     """
     start = time.perf_counter()
     finite = bool(torch.isfinite(flat).all())
@@ -85,7 +93,7 @@ def average_parameters(
     if not finite:
         flat.zero_()
     before = flat.clone()
-    comm.allreduce_mean(flat)
+    reduce_mean(comm, flat, reduce)
     if dropped:
         flat.mul_(comm.size / (comm.size - dropped))
     seconds = time.perf_counter() - start

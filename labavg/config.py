@@ -38,6 +38,8 @@ NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
 NEWBOB_CRITERIA = ("loss", "frame_accuracy")
 # How an averaging round combines the workers' models (labavg.averagers, docs/averaging.md).
 AVERAGING = ("model", "bmuf", "diloco")
+# How the ranks compute the mean of their parameters (labavg.comm.reduce, docs/averaging.md).
+REDUCE = ("allreduce", "butterfly", "ring")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -354,6 +356,9 @@ class TrainConfig:
     averaging: str = setting("model", "how a round combines the models (model: plain average, "
                              "the paper; [bmuf], [diloco] tables)", _choice(AVERAGING),
                              flag="--averaging")
+    reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
+                          "collective; butterfly: recursive halving and doubling; ring)",
+                          _choice(REDUCE), flag="--reduce")
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",

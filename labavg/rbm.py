@@ -196,6 +196,7 @@ def pretrain_dbn(
     *,
     average_every: int,
     device: torch.device | str,
+    reduce: str = "allreduce",
 ) -> Generator[RBMEvent, None, list[RBM]]:
     """Pretrain every hidden layer of `model` as an RBM and copy the weights into it.
 
@@ -207,7 +208,8 @@ def pretrain_dbn(
     all see it, so none hangs). Yields an event per averaging round and per epoch end, and
     returns (StopIteration.value) the trained RBMs, visible biases included. Each layer's
     weights and hidden biases are copied into the model as soon as that layer is trained, so
-    run the generator to the end.
+    run the generator to the end. `reduce` is the algorithm the rounds' means are computed
+    with (labavg.comm.reduce), the run's.
     """
     if average_every < 1:
         raise ValueError(f"average_every must be >= 1, got {average_every}")
@@ -221,7 +223,7 @@ def pretrain_dbn(
         gaussian = layer == 0 and cfg.gaussian_input
         rbm, flat = _init_rbm(affine, layer, below, batches_for_epoch, comm, cfg, gaussian, device)
         yield from _train_rbm(rbm, flat, layer, below, batches_for_epoch, comm, cfg, gaussian,
-                              average_every, device)
+                              average_every, device, reduce)
         with torch.no_grad():
             affine.weight.copy_(rbm.weight)
             affine.bias.copy_(rbm.hbias)
@@ -292,10 +294,11 @@ def _train_rbm(
     gaussian: bool,
     average_every: int,
     device: torch.device,
+    reduce: str = "allreduce",
 ) -> Iterator[RBMEvent]:
     trainer = CD1Trainer(rbm, gaussian, cfg, frames_per_frame=comm.size)
     # No global copy to restore: an RBM whose every rank diverged ends the run.
-    averager = Averager(flat, comm, average_every, restore=False)
+    averager = Averager(flat, comm, average_every, restore=False, reduce=reduce)
     generator = torch.Generator(device=device)
     # Distinct CD-1 sampling per rank and layer; the initial parameters were broadcast.
     generator.manual_seed(cfg.seed + 1_000_003 * (comm.rank + 1) + layer)

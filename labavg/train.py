@@ -120,7 +120,8 @@ def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
         return (model.normalize_input(x.to(device)) for x, _ in batches.epoch(epoch))
 
     yield from pretrain_dbn(
-        model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.averaging_interval(), device=device
+        model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.averaging_interval(), device=device,
+        reduce=cfg.reduce,
     )
 
 

@@ -24,6 +24,16 @@ class Communicator(Protocol):
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
 
+    def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int) -> None:
+        """Send `send` to rank `dst` while receiving rank `src`'s message into `recv`.
+
+        Point-to-point, for the reduce algorithms (labavg.comm.reduce): either buffer may be
+        None (only send, only receive; its rank is then ignored), and both sides must agree on
+        the message's length. Returns once `recv` holds the message and `send` may be reused.
+        Messages from one rank to another arrive in the order they were sent.
+        """
+
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
 

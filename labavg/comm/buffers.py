@@ -28,3 +28,9 @@ def check_root(root: int, size: int) -> None:
     """Raise ValueError unless `root` is a rank of a group of `size`."""
     if not 0 <= root < size:
         raise ValueError(f"broadcast root {root} is not a rank of a group of {size}")
+
+
+def check_peer(peer: int, size: int) -> None:
+    """Raise ValueError unless `peer` is a rank of a group of `size`."""
+    if not 0 <= peer < size:
+        raise ValueError(f"point-to-point peer {peer} is not a rank of a group of {size}")

@@ -14,8 +14,12 @@ every run; measured bitwise equal to MPICH 5.0.2 for 2-8 ranks here.
 Threads: torch's intra-op thread pool is process-global, so this module never calls
 `torch.set_num_threads`; the caller sets it (e.g. cores // size) before starting the ranks.
 
+Point-to-point messages (`sendrecv`, for the reduce algorithms of labavg.comm.reduce) go
+through one FIFO mailbox per ordered pair of ranks; a send copies its buffer and never blocks,
+so no exchange pattern can deadlock here, while MPI and gloo need Sendrecv / isend+irecv for it.
+
 A rank that raises aborts the group, so the others get `GroupAborted` from their next (or
-current) collective instead of waiting forever; a rank that returns while others still call
+current) collective or receive instead of waiting forever; a rank that returns while others still call
 collectives also breaks the group (`CollectiveMismatch`), as do ranks calling different
 collectives or with different buffer shapes.
 """
@@ -31,7 +35,10 @@ from typing import Any
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_peer, check_root
+
+# Seconds between a waiting receiver's checks for an abort, a departed sender, the watchdog.
+_POLL_S = 0.1
 
 
 class GroupAborted(RuntimeError):
@@ -138,6 +145,8 @@ class InProcGroup:
         self._result: torch.Tensor | None = None
         self._broken: str | None = None
         self._departed: list[int] = []
+        self._mail: dict[tuple[int, int], queue.SimpleQueue] = {}
+        self._mail_lock = threading.Lock()
 
     @property
     def aborted(self) -> bool:
@@ -191,6 +200,53 @@ class InProcGroup:
                 return self._result
             raise GroupAborted(self._broken)
 
+    def post(self, src: int, dst: int, message: torch.Tensor) -> None:
+        """Leave `message` (the sender's own copy) in the mailbox from `src` to `dst`."""
+        if self._broken is not None:
+            raise GroupAborted(self._broken)
+        self._mailbox(src, dst).put(message)
+
+    def take(self, src: int, dst: int) -> torch.Tensor:
+        """The next message from `src` to `dst`, waiting for it as a collective waits.
+
+        The mailbox is polled so that an abort, a sender that has finished and the watchdog are
+        noticed without a wake-up from each of them.
+        """
+        box = self._mailbox(src, dst)
+        since = time.monotonic()
+        while True:
+            try:
+                return box.get(timeout=_POLL_S)
+            except queue.Empty:
+                pass
+            if self._broken is not None:
+                raise GroupAborted(self._broken)
+            if src in self._departed:
+                try:
+                    return box.get_nowait()  # sent just before it left
+                except queue.Empty:
+                    reason = f"rank {dst} waits for a message from rank {src}, which had finished"
+                    self.abort(reason)
+                    raise CollectiveMismatch(reason) from None
+            waited = time.monotonic() - since
+            if self.timeout and waited > self.timeout:
+                try:
+                    # Confirm, as `rendezvous` does: a stopped and continued process sees its
+                    # whole pause at once.
+                    return box.get(timeout=min(self.timeout, 5.0))
+                except queue.Empty:
+                    reason = (f"watchdog: rank {dst} waited {waited:.0f} s for a message from "
+                              f"rank {src} (watchdog_seconds = {self.timeout:g})")
+                    self.abort(reason)
+                    raise CollectiveTimeout(reason) from None
+
+    def _mailbox(self, src: int, dst: int) -> queue.SimpleQueue:
+        with self._mail_lock:
+            box = self._mail.get((src, dst))
+            if box is None:
+                box = self._mail[(src, dst)] = queue.SimpleQueue()
+            return box
+
     def _complete(self, rank: int) -> torch.Tensor | None:
         """Run by the last rank to arrive, holding the lock: compute the result, release all."""
         calls = self._calls
@@ -240,6 +296,23 @@ class InProcCommunicator:
         value = self.group.rendezvous(self.rank, _Call("broadcast", buf, root))
         if self.rank != root:
             buf.copy_(value)
+
+    def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int) -> None:
+        """Send `send` to `dst` and receive `src`'s message into `recv` (either may be None)."""
+        if send is not None:
+            check_peer(dst, self.size)
+            # A copy: the sender may change its buffer as soon as this returns, as under MPI.
+            self.group.post(self.rank, dst, send.detach().clone())
+        if recv is not None:
+            check_peer(src, self.size)
+            message = self.group.take(src, self.rank)
+            if message.shape != recv.shape or message.dtype != recv.dtype:
+                reason = (f"rank {self.rank} expected {recv.numel()} x {recv.dtype} from rank "
+                          f"{src} but got {message.numel()} x {message.dtype}")
+                self.group.abort(reason)
+                raise CollectiveMismatch(reason)
+            recv.copy_(message)
 
     def barrier(self) -> None:
         """Wait until every rank has arrived."""

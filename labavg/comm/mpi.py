@@ -15,7 +15,10 @@ from typing import Any
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_peer, check_root
+
+# The reduce algorithms' messages; collectives travel in a context of their own whatever the tag.
+_P2P_TAG = 17
 
 
 def query_cuda_aware(mpi: Any) -> bool:
@@ -64,6 +67,31 @@ class MpiCommunicator:
         with self._exposed(buf, writes_back=self.rank != root) as view:
             self._comm.Bcast(view, root=root)
 
+    def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int) -> None:
+        """Send `send` to `dst` and receive `src`'s message into `recv` (either may be None).
+
+        One MPI_Sendrecv when both are given: each side of an exchange sends and receives at
+        once, so a pair swapping large messages cannot deadlock the way two blocking MPI_Sends
+        past the eager limit would.
+        """
+        mpi, comm = self._mpi, self._comm
+        if send is not None:
+            check_peer(dst, self.size)
+        if recv is not None:
+            check_peer(src, self.size)
+        out = None if send is None else self._p2p_view(send, writes_back=False)
+        into = None if recv is None else self._p2p_view(recv, writes_back=True)
+        if out is not None and into is not None:
+            comm.Sendrecv(out.view, dest=dst, sendtag=_P2P_TAG, recvbuf=into.view, source=src,
+                          recvtag=_P2P_TAG)
+        elif out is not None:
+            comm.Send(out.view, dest=dst, tag=_P2P_TAG)
+        elif into is not None:
+            comm.Recv(into.view, source=src, tag=_P2P_TAG)
+        if into is not None:
+            into.__exit__(None, None, None)
+
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
         if self.size > 1:
@@ -97,6 +125,17 @@ class MpiCommunicator:
             return _Exposed(buf.detach())
         host = self._staging_for(buf)
         host.copy_(buf)
+        return _Exposed(host.numpy(), copy_back=(host, buf) if writes_back else None)
+
+    def _p2p_view(self, buf: torch.Tensor, *, writes_back: bool) -> "_Exposed":
+        """Like `_exposed`, but with a fresh host copy when staged: a send and a receive of
+        one exchange need two buffers, and their sizes change from step to step."""
+        if buf.device.type == "cpu":
+            return _Exposed(buf.detach().numpy())
+        if buf.device.type == "cuda" and self.cuda_aware:
+            torch.cuda.current_stream(buf.device).synchronize()
+            return _Exposed(buf.detach())
+        host = buf.detach().cpu()
         return _Exposed(host.numpy(), copy_back=(host, buf) if writes_back else None)
 
     def _staging_for(self, buf: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_root
+from labavg.comm.buffers import check_buffer, check_peer, check_root
 
 DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -61,6 +61,31 @@ class TorchDistCommunicator:
         check_root(root, self.size)
         if self.size > 1:
             self._dist.broadcast(buf, src=root)
+
+    def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int) -> None:
+        """Send `send` to `dst` and receive `src`'s message into `recv` (either may be None).
+
+        Both are posted before either is waited on, so two ranks swapping messages cannot
+        deadlock. gloo (CPU) takes isend/irecv as they are; nccl wants a pair's send and
+        receive in one group, which batch_isend_irecv makes.
+        """
+        dist = self._dist
+        ops = []
+        if recv is not None:
+            check_peer(src, self.size)
+            ops.append(dist.P2POp(dist.irecv, recv, src))
+        if send is not None:
+            check_peer(dst, self.size)
+            ops.append(dist.P2POp(dist.isend, send, dst))
+        if not ops:
+            return
+        if self.device.type == "cuda":
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [op.op(op.tensor, op.peer) for op in ops]
+        for work in works:
+            work.wait()
 
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
