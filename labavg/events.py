@@ -43,6 +43,7 @@ class RunStarted(Event):
     effective_lr: float
     start_step: int
     averaging: str = "model"  # the averaging method (labavg.averagers)
+    reduce: str = "allreduce"  # the algorithm computing the mean (labavg.comm.reduce)
     bytes_per_round: int = 0  # of the parameter buffer each rank allreduces per round
 
 

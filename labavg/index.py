@@ -23,9 +23,11 @@ CONFIG = "config.json"
 
 # Settings that may differ between runs that are still "the same configuration" for speedup.
 # K is among them: the baseline has one rank, whose averaging is a no-op, so a 1-rank run
-# with any K is the baseline of every K.
+# with any K is the baseline of every K; likewise for the reduce algorithm, which a 1-rank run
+# never runs.
 PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                 "tensorboard", "watchdog_seconds", "average_every", "average_every_frames")
+                 "tensorboard", "watchdog_seconds", "average_every", "average_every_frames",
+                 "reduce")
 
 
 class EventTail:
@@ -133,6 +135,7 @@ def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -
         "ranks": s.get("ranks", config.get("ranks")),
         "average_every": s.get("average_every", effective_k(config)),
         "averaging": s.get("averaging", config.get("averaging", "model")),
+        "reduce": s.get("reduce", config.get("reduce", "allreduce")),
         "optimizer": config.get("optimizer"), "lr": config.get("lr"),
         "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
         "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),

@@ -243,6 +243,7 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "backend": cfg.backend,
         "average_every": started.average_every,
         "averaging": started.averaging,
+        "reduce": started.reduce,
         "optimizer": cfg.optimizer,
         "pretrain": cfg.pretrain,
         "schedule": cfg.schedule,
@@ -428,6 +429,9 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     rows = [{**summary_row(s.get("run"), s), "run": s.get("run")} for s in summaries]
     if not any(r["wer"] is not None for r in rows):
         cols = [c for c in cols if c[1] not in ("wer", "per")]
+    if any(r["reduce"] not in (None, "allreduce") for r in rows):
+        # Only then: the column would repeat the default in every table of plain runs.
+        cols.insert(cols.index(("method", "averaging")) + 1, ("reduce", "reduce"))
 
     def cell(key: str, row: dict[str, Any]) -> str:
         value = row[key]

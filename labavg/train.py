@@ -251,6 +251,7 @@ def train_rank(
         num_pdfs=source.num_pdfs, input_dim=_input_dim(model),
         steps_per_epoch=num_steps, train_utterances=len(train_keys), cv_utterances=len(cv_keys),
         average_every=K, effective_lr=lr0, start_step=progress.step, averaging=averager.method,
+        reduce=averager.reduce,
         bytes_per_round=flat.numel() * flat.element_size() if size > 1 else 0,
     )
 

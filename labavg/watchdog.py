@@ -226,6 +226,11 @@ class WatchedCommunicator:
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         self._call("broadcast", self._comm.broadcast, buf, root)
 
+    def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
+                 src: int) -> None:
+        # One reduce algorithm's step: a wait on a peer like a collective's.
+        self._call("sendrecv", self._comm.sendrecv, send, dst, recv, src)
+
     def barrier(self) -> None:
         self._call("barrier", self._comm.barrier)
 

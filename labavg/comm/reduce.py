@@ -55,6 +55,9 @@ def reduce_mean(comm: Communicator, buf: torch.Tensor, algorithm: str = "allredu
     check_buffer(buf)
     if comm.size == 1:
         return
+    if not callable(getattr(comm, "sendrecv", None)):
+        raise TypeError(f"the {algorithm} reduce needs point-to-point messages, which "
+                        f"{type(comm).__name__} does not offer (no sendrecv)")
     if algorithm == "butterfly":
         butterfly_sum(comm, buf)
     else:

@@ -1,0 +1,329 @@
+"""Reduce algorithms (labavg.comm.reduce): butterfly and ring against allreduce.
+
+Tolerance. A float sum of N terms in any association is within (N - 1) u sum|x_i| of the exact
+sum, u the unit roundoff (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed.,
+eq. 4.4), and the division by N adds u |mean|; so every algorithm's mean lies within
+u sum|x_i| (times 1 + O(N u)) of the exact one, elementwise, and two algorithms within twice
+that of each other. The test computes the exact mean in float64 (float32 inputs are exact
+there) and asserts that bound with u = 2^-24 (float32) or 2^-53 (float64). It is tight: a
+contribution left out or added twice is off by |x_r| / N, orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from labavg.averagers import Averager, make_averager
+from labavg.averaging import average_parameters
+from labavg.comm.inproc import (CollectiveMismatch, CollectiveTimeout, GroupAborted,
+                                InProcCommunicator, InProcGroup, RankFailed, run_inproc)
+from labavg.comm.launchers import mpiexec_command
+from labavg.comm.reduce import bounds, reduce_mean
+from labavg.config import REDUCE, TrainConfig, load_config, validate, with_overrides
+from labavg.errors import UserError
+from labavg.runs import read_events, read_summary, run_training
+
+from test_train import SMALL, final_params, small_config
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "comm_scripts" / "reduce.py"
+PYTHON = sys.executable
+LAUNCH_TIMEOUT_S = 120
+UNIT_ROUNDOFF = {np.float32: 2.0**-24, np.float64: 2.0**-53}
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("comm_reduce", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+script = _load_script()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(command: list[str]) -> None:
+    try:
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{command[0]} hung for {LAUNCH_TIMEOUT_S} s: {exc.stdout} {exc.stderr}")
+    assert done.returncode == 0, f"{command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+def _load_ranks(out: Path, size: int) -> list[dict[str, np.ndarray]]:
+    ranks = []
+    for rank in range(size):
+        with np.load(out / f"rank{rank}.npz") as saved:
+            ranks.append({k: saved[k] for k in saved.files})
+    return ranks
+
+
+def _rounding_bound(size: int, length: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(exact mean, bound on any algorithm's error) of the script's contributions."""
+    x = np.array([script.contribution(r, length, dtype) for r in range(size)], dtype=np.float64)
+    u = UNIT_ROUNDOFF[dtype]
+    return x.mean(axis=0), u * np.abs(x).sum(axis=0) * (1.0 + 4 * size * u)
+
+
+def _check_algorithms(ranks: list[dict[str, np.ndarray]], size: int, cases=script.CASES,
+                      allreduce_ranks: list[dict[str, np.ndarray]] | None = None) -> None:
+    """Every rank holds bitwise the same mean, within float rounding of the exact mean and of
+    the backend's allreduce (`allreduce_ranks`' when given: another backend's)."""
+    reference = allreduce_ranks or ranks
+    for length, dtype in cases:
+        exact, bound = _rounding_bound(size, length, dtype)
+        allreduce = reference[0][script.key("allreduce", length, dtype)]
+        for algorithm in script.ALGORITHMS:
+            name = script.key(algorithm, length, dtype)
+            mean = ranks[0][name]
+            assert mean.dtype == dtype and mean.shape == (length,), name
+            for other in ranks[1:]:
+                np.testing.assert_array_equal(other[name], mean, err_msg=name)
+            err = np.abs(mean.astype(np.float64) - exact)
+            worst = int(np.argmax(err - bound)) if length else 0
+            assert np.all(err <= bound), (f"{name} on {size} ranks: element {worst} is off by "
+                                          f"{err[worst]:.3g}, bound {bound[worst]:.3g}")
+            assert np.all(np.abs(mean.astype(np.float64) - allreduce) <= 2 * bound), name
+
+
+def test_bounds_cut_evenly():
+    assert bounds(10, 4) == [0, 3, 6, 8, 10]
+    assert bounds(2, 4) == [0, 1, 2, 2, 2]
+    assert bounds(0, 3) == [0, 0, 0, 0]
+
+
+# --- inproc: 2..8 ranks -------------------------------------------------------------------------
+
+INPROC_CASES = ((0, np.float32), (1, np.float32), (7, np.float32), (1001, np.float32),
+                (1001, np.float64), (65_539, np.float32))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8])
+def test_algorithms_equal_allreduce_to_rounding_inproc(size):
+    ranks = run_inproc(size, script.exercise, INPROC_CASES)
+    _check_algorithms(ranks, size, INPROC_CASES)
+    for length, dtype in INPROC_CASES:
+        # The butterfly adds in inproc's own association (pairs, then pairs of pairs):
+        # bitwise equal. The ring adds around the ring: different roundings (once the sum
+        # has more than two terms).
+        allreduce = ranks[0][script.key("allreduce", length, dtype)]
+        np.testing.assert_array_equal(ranks[0][script.key("butterfly", length, dtype)], allreduce)
+        if size > 2 and length > 100:
+            assert not np.array_equal(ranks[0][script.key("ring", length, dtype)], allreduce)
+
+
+def test_one_rank_is_a_no_op():
+    comm = InProcCommunicator(InProcGroup(1), 0)
+    for algorithm in REDUCE:
+        buf = torch.tensor([1.5, -2.0])
+        reduce_mean(comm, buf, algorithm)
+        assert buf.tolist() == [1.5, -2.0]
+
+
+def test_unknown_algorithm_and_bad_buffers_are_refused():
+    comm = InProcCommunicator(InProcGroup(1), 0)
+    with pytest.raises(ValueError, match="'rign'.*allreduce, butterfly, ring"):
+        reduce_mean(comm, torch.zeros(3), "rign")
+    with pytest.raises(ValueError, match="contiguous"):
+        reduce_mean(comm, torch.zeros(6)[::2], "ring")
+    with pytest.raises(ValueError, match="'rign'"):
+        Averager(torch.zeros(3), comm, reduce="rign")
+
+
+# --- inproc's point-to-point messages: failures end the wait ------------------------------------
+
+
+def _receive_from_zero(comm, sender_fails: bool):
+    if comm.rank == 0:
+        if sender_fails:
+            time.sleep(0.2)
+            raise ValueError("rank 0 diverged")
+        return None  # finishes without sending
+    comm.sendrecv(None, -1, torch.zeros(4), 0)
+
+
+@pytest.mark.parametrize("sender_fails, expected", [(True, ValueError), (False, CollectiveMismatch)])
+def test_a_receiver_is_not_left_waiting(sender_fails, expected):
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_inproc(2, _receive_from_zero, sender_fails)
+    assert isinstance(info.value.exc, expected)
+    if expected is CollectiveMismatch:
+        assert "rank 1 waits for a message from rank 0, which had finished" in str(info.value)
+    assert time.monotonic() - start < 5
+
+
+def test_messages_of_another_length_are_refused():
+    def work(comm):
+        buf = torch.zeros(3 + comm.rank)
+        comm.sendrecv(buf, 1 - comm.rank, torch.zeros_like(buf), 1 - comm.rank)
+
+    with pytest.raises(RankFailed) as info:
+        run_inproc(2, work)
+    assert isinstance(info.value.exc, (CollectiveMismatch, GroupAborted))
+    assert "expected" in str(info.value) or "expected" in str(info.value.exc)
+
+
+def test_the_watchdog_ends_a_receive_that_never_comes():
+    group = InProcGroup(2, timeout=0.3)
+    comm = InProcCommunicator(group, 1)
+    with pytest.raises(CollectiveTimeout, match="rank 1 waited .* from rank 0"):
+        comm.sendrecv(None, -1, torch.zeros(2), 0)
+    assert group.aborted
+
+
+# --- real MPICH ranks and torchrun (gloo) ranks -----------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_algorithms_equal_allreduce_to_rounding_on_mpich(size, tmp_path):
+    _launch(mpiexec_command(size, [str(SCRIPT), "mpi", str(tmp_path)]))
+    ranks = _load_ranks(tmp_path, size)
+    assert [int(r["rank"]) for r in ranks] == list(range(size))
+    _check_algorithms(ranks, size)
+    # The same algorithms over threads give the same bits: the exchanges, not the transport,
+    # decide the result.
+    inproc = run_inproc(size, script.exercise)
+    for name in ranks[0]:
+        if name.startswith(("butterfly", "ring")):
+            np.testing.assert_array_equal(ranks[0][name], inproc[0][name], err_msg=name)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_algorithms_equal_allreduce_to_rounding_on_torchrun(size, tmp_path):
+    torchrun = Path(PYTHON).parent / "torchrun"
+    _launch([str(torchrun), "--nproc-per-node", str(size), "--master-addr", "127.0.0.1",
+             "--master-port", str(_free_port()), str(SCRIPT), "torch", str(tmp_path)])
+    ranks = _load_ranks(tmp_path, size)
+    _check_algorithms(ranks, size)
+    inproc = run_inproc(size, script.exercise)
+    for name in ranks[0]:
+        if name.startswith(("butterfly", "ring")):
+            np.testing.assert_array_equal(ranks[0][name], inproc[0][name], err_msg=name)
+
+
+# --- averaging rounds and training --------------------------------------------------------------
+
+
+def test_non_finite_ranks_are_left_out_by_every_algorithm():
+    steps = [torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), torch.full((5,), float("nan")),
+             torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])]
+
+    def work(comm, algorithm):
+        flat = steps[comm.rank].clone()
+        stats = average_parameters(flat, comm, reduce=algorithm)
+        return stats, flat
+
+    for algorithm in REDUCE:
+        for rank, (stats, flat) in enumerate(run_inproc(3, work, algorithm)):
+            assert (stats.finite, stats.dropped) == (rank != 1, 1), algorithm
+            assert flat.tolist() == [2.0, 2.0, 2.0, 2.0, 2.0], algorithm
+
+
+def _train(corpus, out, **changes):
+    cfg = small_config(corpus, out, ranks=3, epochs=1, **changes)
+    summary = run_training(cfg, progress=False)
+    return summary, [final_params(out, rank) for rank in range(3)]
+
+
+def test_ring_and_butterfly_train_like_allreduce_on_3_inproc_ranks(corpus, tmp_path):
+    plain, plain_params = _train(corpus, tmp_path / "allreduce")
+    ring, ring_params = _train(corpus, tmp_path / "ring", reduce="ring")
+    butterfly, butterfly_params = _train(corpus, tmp_path / "butterfly", reduce="butterfly")
+    assert (plain["reduce"], ring["reduce"], butterfly["reduce"]) == ("allreduce", "ring",
+                                                                       "butterfly")
+    assert all(torch.equal(p, ring_params[0]) for p in ring_params)
+    # The ring's other roundings reach the model (it really ran), and stay roundings: the
+    # accuracy on 20 k CV frames agrees to a few frames.
+    assert not torch.equal(ring_params[0], plain_params[0])
+    torch.testing.assert_close(ring_params[0], plain_params[0], rtol=1e-3, atol=1e-4)
+    assert abs(ring["cv_frame_accuracy"] - plain["cv_frame_accuracy"]) < 1e-3
+    assert abs(ring["cv_loss"] - plain["cv_loss"]) < 1e-3
+    # inproc's allreduce adds in the butterfly's association: the same model, bit for bit.
+    assert torch.equal(butterfly_params[0], plain_params[0])
+    assert ring["bytes_sent"] == plain["bytes_sent"]
+
+
+def test_mpi_training_with_the_reduce_flag(corpus, tmp_path):
+    proc = subprocess.run(
+        [PYTHON, "-m", "labavg", "train", "--data", str(corpus), "--ranks", "2", "--backend",
+         "mpi", *SMALL, "--reduce", "ring", "--out", str(tmp_path / "ring")],
+        capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.equal(final_params(tmp_path / "ring", 0), final_params(tmp_path / "ring", 1))
+    assert read_summary(tmp_path / "ring")["reduce"] == "ring"
+    started = [e for e in read_events(tmp_path / "ring") if e["type"] == "run_started"]
+    assert {e["reduce"] for e in started} == {"ring"} and len(started) == 2
+    info = subprocess.run([PYTHON, "-m", "labavg", "info", str(tmp_path / "ring")],
+                          capture_output=True, text=True, timeout=60, env=_env())
+    assert info.returncode == 0 and "| method | reduce |" in info.stdout
+    assert "| model | ring |" in info.stdout
+
+
+def test_make_averager_takes_the_setting():
+    comm = InProcCommunicator(InProcGroup(1), 0)
+    for method in ("model", "bmuf", "diloco"):
+        cfg = with_overrides(TrainConfig(), {"averaging": method, "reduce": "butterfly"})
+        assert make_averager(cfg, torch.zeros(2), comm).reduce == "butterfly"
+    assert make_averager(TrainConfig(), torch.zeros(2), comm).reduce == "allreduce"
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def test_reduce_setting_in_toml_and_default(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('reduce = "butterfly"\n')
+    assert load_config(path).reduce == "butterfly"
+    assert TrainConfig().reduce == "allreduce"  # MPI_Allreduce, as the paper averages
+    with pytest.raises(UserError) as info:
+        validate(with_overrides(TrainConfig(), {"reduce": "rign"}))
+    assert str(info.value).endswith("reduce must be one of allreduce, butterfly, ring; got 'rign'")
+
+
+@pytest.mark.parametrize("how", ["flag", "toml"])
+def test_cli_unknown_reduce_exits_2_with_one_line(tmp_path, how):
+    if how == "flag":
+        args = ["--data", str(tmp_path / "nodata"), "--reduce", "rign"]
+    else:
+        (tmp_path / "c.toml").write_text('reduce = "rign"\n')
+        args = [str(tmp_path / "c.toml"), "--data", str(tmp_path / "nodata")]
+    proc = subprocess.run([PYTHON, "-m", "labavg", "train", *args, "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("labavg: error: "), lines
+    assert "reduce must be one of allreduce, butterfly, ring; got 'rign'" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sweep_grid_of_algorithms(tmp_path):
+    from labavg.sweep import load_sweep
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('[base]\nranks = 2\n[grid]\nreduce = ["allreduce", "ring"]\n')
+    assert [n for n, _ in load_sweep(spec).points()] == ["reduce_allreduce", "reduce_ring"]
+    spec.write_text('[base]\nranks = 2\n[grid]\nreduce = ["ring", "rign"]\n')
+    with pytest.raises(UserError, match="grid point reduce_rign: reduce must be one of"):
+        load_sweep(spec)
