@@ -1,0 +1,195 @@
+"""Reduce algorithms on MPICH: seconds per round against the alpha-beta cost model.
+
+    .venv/bin/python benchmarks/bench_reduce.py [--ranks 2,3,4] [--sizes 65536,...,16777216]
+                                                [--reps 9] [--json OUT.json]
+
+For each rank count the script starts itself under mpiexec (labavg's local command,
+`labavg.comm.launchers.mpiexec_command`). Each rank then times `reduce_mean` of a float32
+buffer of every size with every algorithm (allreduce: MPICH's MPI_Allreduce; butterfly and
+ring: labavg.comm.reduce over MPI_Sendrecv): a barrier, the reduce, this rank's seconds; the
+round's time is the slowest rank's; the figure is the median over `--reps` rounds after two
+warm-up rounds. The buffer is refilled before each round, as training rewrites the
+parameters between rounds.
+
+The cost model's alpha (s per message) and beta (s per byte) are fitted on the 2-rank job:
+ranks 0 and 1 swap messages of 8 B .. 16 MiB with MPI_Sendrecv, the very step the
+algorithms are made of, and a line t = alpha + beta m is fitted to the medians (least
+squares on relative error). Predictions are `costmodel.allreduce_seconds` with formula
+"rabenseifner" for allreduce (MPICH's choice for messages over 2 KiB) and butterfly, "ring"
+for ring. The model has no reduction term and knows nothing of oversubscription: with more
+ranks than cores the ratio measured / predicted shows what that costs.
+
+Prints a Markdown table (docs/averaging.md, "Reduce algorithms").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+ALGORITHMS = ("allreduce", "butterfly", "ring")
+DEFAULT_SIZES = (65_536, 262_144, 1_048_576, 4_194_304, 16_777_216)
+EXCHANGE_SIZES = (8, 64, 512, 4096, 32_768, 262_144, 1_048_576, 4_194_304, 16_777_216)
+WARMUP = 2
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _slowest(comm, seconds: float) -> float:
+    """The largest of every rank's `seconds` (through the backend's own allreduce)."""
+    import torch
+
+    slots = torch.zeros(comm.size, dtype=torch.float64)
+    slots[comm.rank] = seconds * comm.size
+    comm.allreduce_mean(slots)  # each slot now holds its rank's seconds
+    return float(slots.max())
+
+
+def _timed(comm, fn, refill, reps: int) -> float:
+    """Median over `reps` rounds (after WARMUP) of the slowest rank's seconds in `fn()`."""
+    rounds = []
+    for i in range(WARMUP + reps):
+        refill()
+        comm.barrier()
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
+        if i >= WARMUP:
+            rounds.append(_slowest(comm, took))
+    return statistics.median(rounds)
+
+
+def worker(sizes: list[int], reps: int, exchange: bool, out: Path) -> None:
+    import torch
+
+    from labavg.comm.reduce import reduce_mean
+    from labavg.comm.world import open_communicator
+
+    torch.set_num_threads(1)
+    comm = open_communicator("mpi")
+    result = {"ranks": comm.size, "rounds": {}, "exchange": {}}
+    gen = torch.Generator().manual_seed(comm.rank)
+    for size in sizes:
+        source = torch.randn(size // 4, generator=gen)
+        buf = torch.empty_like(source)
+        for algorithm in ALGORITHMS:
+            result["rounds"][f"{algorithm}/{size}"] = _timed(
+                comm, lambda a=algorithm: reduce_mean(comm, buf, a), lambda: buf.copy_(source),
+                reps)
+    if exchange and comm.size >= 2:
+        for size in EXCHANGE_SIZES:
+            send = torch.randn(max(size // 4, 2), generator=gen)
+            recv = torch.empty_like(send)
+            peer = 1 - comm.rank
+
+            def swap():
+                if comm.rank < 2:
+                    comm.sendrecv(send, peer, recv, peer)
+
+            result["exchange"][str(send.numel() * 4)] = _timed(comm, swap, lambda: None,
+                                                              max(reps, 15))
+    comm.barrier()
+    if comm.rank == 0:
+        out.write_text(json.dumps(result))
+    comm.close()
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def fit_alpha_beta(exchange: dict[str, float]) -> tuple[float, float]:
+    """alpha, beta of t = alpha + beta m, least squares on relative error (as costmodel fits)."""
+    import numpy as np
+
+    m = np.array([float(k) for k in exchange])
+    t = np.array(list(exchange.values()))
+    A = np.stack([np.ones_like(m), m], axis=1) / t[:, None]
+    alpha, beta = np.linalg.lstsq(A, np.ones_like(t), rcond=None)[0]
+    return float(max(alpha, 0.0)), float(max(beta, 0.0))
+
+
+def run_job(ranks: int, sizes: list[int], reps: int, exchange: bool) -> dict:
+    from labavg.comm.launchers import mpiexec_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [str(Path(__file__).resolve()), "--worker", "--sizes",
+                ",".join(map(str, sizes)), "--reps", str(reps), "--out", str(out)]
+        if exchange:
+            argv.append("--exchange")
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        subprocess.run(mpiexec_command(ranks, argv), check=True, env=env, timeout=3600)
+        return json.loads(out.read_text())
+
+
+def _size_text(n: int) -> str:
+    return f"{n // 1_048_576} MiB" if n >= 1_048_576 else f"{n // 1024} KiB"
+
+
+def table(jobs: list[dict], alpha: float, beta: float) -> str:
+    from labavg.comm.reduce import COST_MODEL
+    from labavg.costmodel import allreduce_seconds
+
+    lines = ["| ranks | buffer | " + " | ".join(f"{a} ms (x model)" for a in ALGORITHMS) + " |",
+             "|---|---|" + "---|" * len(ALGORITHMS)]
+    for job in jobs:
+        p = job["ranks"]
+        sizes = sorted({int(k.split("/")[1]) for k in job["rounds"]})
+        for n in sizes:
+            cells = []
+            for algorithm in ALGORITHMS:
+                measured = job["rounds"][f"{algorithm}/{n}"]
+                predicted = allreduce_seconds(p, n, alpha, beta, COST_MODEL[algorithm])
+                cells.append(f"{1e3 * measured:.2f} ({measured / predicted:.1f})")
+            lines.append(f"| {p} | {_size_text(n)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="2,3,4", help="rank counts, comma-separated")
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                        help="buffer bytes, comma-separated (multiples of 4)")
+    parser.add_argument("--reps", type=int, default=9, help="timed rounds per figure")
+    parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--exchange", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(sizes, args.reps, args.exchange, args.out)
+        return
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if 2 not in ranks:
+        raise SystemExit("bench_reduce: --ranks must include 2 (alpha and beta are fitted there)")
+    load_before = os.getloadavg()
+    jobs = [run_job(p, sizes, args.reps, exchange=p == 2) for p in ranks]
+    alpha, beta = fit_alpha_beta(next(j for j in jobs if j["ranks"] == 2)["exchange"])
+    print(f"{platform.node()}: {os.cpu_count()} cores, load average {load_before[0]:.1f} before "
+          f"and {os.getloadavg()[0]:.1f} after; {args.reps} rounds per figure (median)")
+    print(f"fitted on the 2-rank MPI_Sendrecv exchange: alpha = {1e6 * alpha:.1f} us, "
+          f"beta = {1e9 * beta:.3f} ns/B ({1e-9 / beta:.2f} GB/s)" if beta else
+          f"fitted: alpha = {1e6 * alpha:.1f} us, beta = 0")
+    print(table(jobs, alpha, beta))
+    if args.json:
+        args.json.write_text(json.dumps({"alpha": alpha, "beta": beta, "jobs": jobs,
+                                         "load_average": [load_before, os.getloadavg()]},
+                                        indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
