@@ -1,7 +1,7 @@
 """Reduce algorithms on MPICH: seconds per round against the alpha-beta cost model.
 
     .venv/bin/python benchmarks/bench_reduce.py [--ranks 2,3,4] [--sizes 65536,...,16777216]
-                                                [--reps 9] [--json OUT.json]
+                                                [--reps 9] [--jobs 3] [--json OUT.json]
 
 For each rank count the script starts itself under mpiexec (labavg's local command,
 `labavg.comm.launchers.mpiexec_command`). Each rank then times `reduce_mean` of a float32
@@ -9,12 +9,14 @@ buffer of every size with every algorithm (allreduce: MPICH's MPI_Allreduce; but
 ring: labavg.comm.reduce over MPI_Sendrecv): a barrier, the reduce, this rank's seconds; the
 round's time is the slowest rank's; the figure is the median over `--reps` rounds after two
 warm-up rounds. The buffer is refilled before each round, as training rewrites the
-parameters between rounds.
+parameters between rounds. With `--jobs J` every rank count is launched J times, the jobs
+interleaved (2, 3, 4, 2, 3, 4, ...) so that a burst of load on a shared machine does not fall
+on one rank count alone, and each figure is the median over the jobs (the JSON keeps them all).
 
 The cost model's alpha (s per message) and beta (s per byte) are fitted on the 2-rank job:
 ranks 0 and 1 swap messages of 8 B .. 16 MiB with MPI_Sendrecv, the very step the
-algorithms are made of, and a line t = alpha + beta m is fitted to the medians (least
-squares on relative error). Predictions are `costmodel.allreduce_seconds` with formula
+algorithms are made of; alpha from the small messages, beta from the large ones
+(`fit_alpha_beta`). Predictions are `costmodel.allreduce_seconds` with formula
 "rabenseifner" for allreduce (MPICH's choice for messages over 2 KiB) and butterfly, "ring"
 for ring. The model has no reduction term and knows nothing of oversubscription: with more
 ranks than cores the ratio measured / predicted shows what that costs.
@@ -42,6 +44,8 @@ ALGORITHMS = ("allreduce", "butterfly", "ring")
 DEFAULT_SIZES = (65_536, 262_144, 1_048_576, 4_194_304, 16_777_216)
 EXCHANGE_SIZES = (8, 64, 512, 4096, 32_768, 262_144, 1_048_576, 4_194_304, 16_777_216)
 WARMUP = 2
+LATENCY_BYTES = 4096  # exchanges this small give alpha
+BANDWIDTH_BYTES = 1_048_576  # exchanges this large give beta
 
 
 # --------------------------------------------------------------------------- one rank
@@ -110,14 +114,16 @@ def worker(sizes: list[int], reps: int, exchange: bool, out: Path) -> None:
 
 
 def fit_alpha_beta(exchange: dict[str, float]) -> tuple[float, float]:
-    """alpha, beta of t = alpha + beta m, least squares on relative error (as costmodel fits)."""
-    import numpy as np
-
-    m = np.array([float(k) for k in exchange])
-    t = np.array(list(exchange.values()))
-    A = np.stack([np.ones_like(m), m], axis=1) / t[:, None]
-    alpha, beta = np.linalg.lstsq(A, np.ones_like(t), rcond=None)[0]
-    return float(max(alpha, 0.0)), float(max(beta, 0.0))
+    """alpha, beta of t = alpha + beta m: alpha the median time of the messages up to 4 KiB
+    (where m beta is noise), beta the least-squares slope of t - alpha over those of 1 MiB and
+    more. One line through all sizes fits neither end: on one host a message that stays in
+    the caches moves 2-3 times faster per byte than one of 16 MiB, and the algorithms' steps
+    are of the large kind (n / 2 .. n / p of a buffer of 64 KiB .. 16 MiB)."""
+    sizes = {int(k): t for k, t in exchange.items()}
+    alpha = statistics.median(t for m, t in sizes.items() if m <= LATENCY_BYTES)
+    large = [(m, t - alpha) for m, t in sizes.items() if m >= BANDWIDTH_BYTES]
+    beta = sum(m * t for m, t in large) / sum(m * m for m, _ in large)
+    return alpha, max(beta, 0.0)
 
 
 def run_job(ranks: int, sizes: list[int], reps: int, exchange: bool) -> dict:
@@ -133,6 +139,15 @@ def run_job(ranks: int, sizes: list[int], reps: int, exchange: bool) -> dict:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         subprocess.run(mpiexec_command(ranks, argv), check=True, env=env, timeout=3600)
         return json.loads(out.read_text())
+
+
+def median_job(runs: list[dict]) -> dict:
+    """One job's figures, each the median of the same figure over `runs`."""
+    def median_of(part: str) -> dict[str, float]:
+        return {k: statistics.median(r[part][k] for r in runs) for k in runs[0][part]}
+
+    return {"ranks": runs[0]["ranks"], "rounds": median_of("rounds"),
+            "exchange": median_of("exchange")}
 
 
 def _size_text(n: int) -> str:
@@ -164,6 +179,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                         help="buffer bytes, comma-separated (multiples of 4)")
     parser.add_argument("--reps", type=int, default=9, help="timed rounds per figure")
+    parser.add_argument("--jobs", type=int, default=1, help="mpiexec jobs per rank count")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--exchange", action="store_true", help=argparse.SUPPRESS)
@@ -177,16 +193,22 @@ def main() -> None:
     if 2 not in ranks:
         raise SystemExit("bench_reduce: --ranks must include 2 (alpha and beta are fitted there)")
     load_before = os.getloadavg()
-    jobs = [run_job(p, sizes, args.reps, exchange=p == 2) for p in ranks]
+    runs = [run_job(p, sizes, args.reps, exchange=p == 2)
+            for _ in range(args.jobs) for p in ranks]
+    jobs = [median_job([r for r in runs if r["ranks"] == p]) for p in ranks]
     alpha, beta = fit_alpha_beta(next(j for j in jobs if j["ranks"] == 2)["exchange"])
     print(f"{platform.node()}: {os.cpu_count()} cores, load average {load_before[0]:.1f} before "
-          f"and {os.getloadavg()[0]:.1f} after; {args.reps} rounds per figure (median)")
+          f"and {os.getloadavg()[0]:.1f} after; median of {args.reps} rounds per job, "
+          f"of {args.jobs} job(s) per rank count")
     print(f"fitted on the 2-rank MPI_Sendrecv exchange: alpha = {1e6 * alpha:.1f} us, "
           f"beta = {1e9 * beta:.3f} ns/B ({1e-9 / beta:.2f} GB/s)" if beta else
           f"fitted: alpha = {1e6 * alpha:.1f} us, beta = 0")
+    exchange = next(j for j in jobs if j["ranks"] == 2)["exchange"]
+    print("exchange ms: " + ", ".join(f"{_size_text(int(m)) if int(m) >= 1024 else m + ' B'} "
+                                      f"{1e3 * t:.3f}" for m, t in exchange.items()))
     print(table(jobs, alpha, beta))
     if args.json:
-        args.json.write_text(json.dumps({"alpha": alpha, "beta": beta, "jobs": jobs,
+        args.json.write_text(json.dumps({"alpha": alpha, "beta": beta, "jobs": runs,
                                          "load_average": [load_before, os.getloadavg()]},
                                         indent=1) + "\n")
 
