@@ -91,15 +91,15 @@ def worker(sizes: list[int], reps: int, exchange: bool, out: Path) -> None:
         buf = torch.empty_like(source)
         for algorithm in ALGORITHMS:
             result["rounds"][f"{algorithm}/{size}"] = _timed(
-                comm, lambda a=algorithm: reduce_mean(comm, buf, a), lambda: buf.copy_(source),
-                reps)
+                comm, lambda a=algorithm, b=buf: reduce_mean(comm, b, a),
+                lambda b=buf, s=source: b.copy_(s), reps)
     if exchange and comm.size >= 2:
         for size in EXCHANGE_SIZES:
             send = torch.randn(max(size // 4, 2), generator=gen)
             recv = torch.empty_like(send)
             peer = 1 - comm.rank
 
-            def swap():
+            def swap(send=send, recv=recv, peer=peer):
                 if comm.rank < 2:
                     comm.sendrecv(send, peer, recv, peer)
 

@@ -19,9 +19,9 @@ through one FIFO mailbox per ordered pair of ranks; a send copies its buffer and
 so no exchange pattern can deadlock here, while MPI and gloo need Sendrecv / isend+irecv for it.
 
 A rank that raises aborts the group, so the others get `GroupAborted` from their next (or
-current) collective or receive instead of waiting forever; a rank that returns while others still call
-collectives also breaks the group (`CollectiveMismatch`), as do ranks calling different
-collectives or with different buffer shapes.
+current) collective or receive instead of waiting forever; a rank that returns while others
+still call collectives (or wait for its message) also breaks the group (`CollectiveMismatch`),
+as do ranks calling different collectives or with different buffer shapes.
 """
 
 from __future__ import annotations

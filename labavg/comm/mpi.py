@@ -75,7 +75,7 @@ class MpiCommunicator:
         once, so a pair swapping large messages cannot deadlock the way two blocking MPI_Sends
         past the eager limit would.
         """
-        mpi, comm = self._mpi, self._comm
+        comm = self._comm
         if send is not None:
             check_peer(dst, self.size)
         if recv is not None:
