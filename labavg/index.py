@@ -186,11 +186,16 @@ def find_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | Non
     `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
     `run_dir` need not exist yet (a run about to start looks up its baseline).
     """
-    want = comparable_config(config)
+    return _latest_baseline(run_dir, config, comparable_config)
+
+
+def _latest_baseline(run_dir: Path, config: dict[str, Any], key) -> dict[str, Any] | None:
+    """The latest finished 1-rank run beside `run_dir` whose `key(config)` equals this one's."""
+    want = key(config)
     here = Path(run_dir).resolve()
     found = [r.summary for r in list_runs(here.parent)
              if r.path.resolve() != here and _is_baseline(r.config, r.summary)
-             and comparable_config(r.summary.get("config", r.config)) == want]
+             and key(r.summary.get("config", r.config)) == want]
     return found[-1] if found else None
 
 
@@ -211,14 +216,7 @@ def find_throughput_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str,
     compare with: `find_baseline`'s when there is one, else the latest of the same model,
     data, minibatch and optimizer (any K, learning rate, schedule or number of epochs)."""
     same = find_baseline(run_dir, config)
-    if same is not None:
-        return same
-    want = throughput_config(config)
-    here = Path(run_dir).resolve()
-    found = [r.summary for r in list_runs(here.parent)
-             if r.path.resolve() != here and _is_baseline(r.config, r.summary)
-             and throughput_config(r.summary.get("config", r.config)) == want]
-    return found[-1] if found else None
+    return same if same is not None else _latest_baseline(run_dir, config, throughput_config)
 
 
 def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
