@@ -59,8 +59,9 @@ class Dashboard:
             self.runs.refresh()
 
     def view(self) -> pn.template.FastListTemplate:
-        """The page: settings in the sidebar; live plots, runs and scaling in tabs."""
+        """The page: settings in the sidebar; live plots, runs, scaling and communication in tabs."""
         tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.runs.scaling_view()),
+                       ("Communication", self.runs.communication_view()),
                        dynamic=False, sizing_mode="stretch_width")
         return pn.template.FastListTemplate(
             title=TITLE,

@@ -394,6 +394,38 @@ def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
     ).opts(shared_axes=False)
 
 
+_MARKERS = ("circle", "triangle", "square", "diamond", "inverted_triangle", "hex")
+
+
+def communication_plot(points: list[dict[str, Any]]) -> hv.Layout:
+    """CV frame accuracy and WER of the finished multi-rank runs against the megabytes each
+    rank sent (log scale): one colour per averaging method, one marker per number of ranks."""
+    frame = pd.DataFrame(points, columns=["method", "ranks", "K", "mb_sent", "cv_acc_pct",
+                                          "wer_pct", "run"])
+    methods = sorted(set(frame["method"]))
+    ranks = sorted(set(frame["ranks"]))
+    acc, wer = [], []
+    for (method, n), group in frame.groupby(["method", "ranks"], sort=True):
+        style = {"color": _PALETTE[methods.index(method) % len(_PALETTE)],
+                 "marker": _MARKERS[ranks.index(n) % len(_MARKERS)], "size": 9, "tools": ["hover"]}
+        label = f"{method}, {n} ranks"
+        acc.append(hv.Scatter(group, "mb_sent", ["cv_acc_pct", "K", "run"], label=label).opts(**style))
+        decoded = group.dropna(subset=["wer_pct"])
+        if len(decoded):
+            wer.append(hv.Scatter(decoded, "mb_sent", ["wer_pct", "K", "run"], label=label).opts(**style))
+    if not acc:
+        acc = [hv.Scatter([], "mb_sent", "cv_acc_pct")]
+    if not wer:
+        wer = [hv.Scatter([], "mb_sent", "wer_pct")]
+    x = "MB sent per rank (all rounds, log scale)"
+    return (
+        hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",
+                                          logx=True, legend_position="bottom_right"))
+        + hv.Overlay(wer).opts(**_plot_opts("WER vs bytes sent (decoded runs)", x, "WER (%)",
+                                            logx=True, legend_position="top_right"))
+    ).opts(shared_axes=False)
+
+
 def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
     """Mean training loss, divergence and CV accuracy of the selected runs, by frames trained;
     each run's legend names what sets it apart from the others (`RunTable.overlay`)."""
@@ -430,13 +462,13 @@ def _number(format: str) -> NumberFormatter:
 
 TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_acc_pct": "0.00",
                  "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
-                 "comm_pct": "0.0"}
+                 "comm_pct": "0.0", "mb_sent": "0,0.0"}
 NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
 # Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
-TABLE_WIDTHS = {"run": 166, "ranks": 78, "K": 46, "lr": 58, "wer_pct": 88, "per_pct": 82,
+TABLE_WIDTHS = {"run": 166, "ranks": 78, "K": 46, "method": 72, "lr": 58, "wer_pct": 88, "per_pct": 82,
                 "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
               ".tabulator .tabulator-cell, .tabulator .tabulator-col-title { font-size: 13px !important; }")
@@ -474,6 +506,7 @@ class RunsView(pn.viewable.Viewer):
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
         self.scaling = pn.pane.HoloViews(scaling_plot([]), sizing_mode="stretch_width")
         self.scaling_note = pn.pane.Markdown("", margin=(0, 10))
+        self.communication = pn.pane.HoloViews(communication_plot([]), sizing_mode="stretch_width")
 
     def __panel__(self) -> pn.Column:
         """The runs table with its buttons, and the overlay of the selected runs."""
@@ -491,6 +524,15 @@ class RunsView(pn.viewable.Viewer):
                              "K) / wall time with N ranks, start-up and CV included, as `labavg "
                              "info` shows it; efficiency = speedup / N.", margin=(8, 10)),
             self.scaling_note, self.scaling, sizing_mode="stretch_width",
+        )
+
+    def communication_view(self) -> pn.Column:
+        """Accuracy and WER against bytes sent, by averaging method and ranks."""
+        return pn.Column(
+            pn.pane.Markdown("What each finished multi-rank run bought with what it sent: bytes "
+                             "per rank over all averaging rounds (4 bytes per parameter per round "
+                             "for fp32). Hover a point for its run and K.", margin=(8, 10)),
+            self.communication, sizing_mode="stretch_width",
         )
 
     def _csv(self) -> io.StringIO:
@@ -513,6 +555,7 @@ class RunsView(pn.viewable.Viewer):
         self.tabulator.selection = [names.index(n) for n in selected if n in names]
         points = self.table.scaling()
         self.scaling.object = scaling_plot(points)
+        self.communication.object = communication_plot(self.table.communication())
         finished = [r for r in rows if r["status"] == "finished"]
         if not any(r["ranks"] == 1 for r in finished):
             note = ("_No point yet: no finished 1-rank run in this runs directory. Run one with "
@@ -526,8 +569,9 @@ class RunsView(pn.viewable.Viewer):
         self.scaling_note.object = note
 
 
-SETTINGS_ORDER = ("backend", "ranks", "average_every", "lr", "final_lr", "schedule", "optimizer",
-                  "pretrain", "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
+SETTINGS_ORDER = ("backend", "ranks", "average_every", "averaging", "momentum", "reduce", "lr",
+                  "final_lr", "schedule", "optimizer", "pretrain", "epochs", "minibatch", "context",
+                  "hidden_layers", "hidden_dim")
 _ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
 # Markdown's paragraph margins would leave a blank line under every message.
 _ERROR_SHEET = ["p { margin: 0; }"]
@@ -554,6 +598,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
         parameters=list(names),
         widgets={
             "ranks": number, "average_every": number, "minibatch": number, "epochs": number,
+            "momentum": {"type": pn.widgets.FloatInput, "step": 0.05, "format": "0.[0000]"},
             "hidden_layers": number, "hidden_dim": number, "context": number,
             "lr": {"type": pn.widgets.FloatInput, "step": 0.001, "format": "0.[00000]"},
             "final_lr": {"type": pn.widgets.FloatInput, "step": 0.0001, "format": "0.[000000]",
@@ -579,12 +624,19 @@ def settings_panel(settings: RunSettings) -> pn.Column:
     settings.param.watch(lambda e: show(e.new), "errors")
     show(settings.errors)
 
+    def enable_momentum(*_: Any) -> None:
+        widgets["momentum"].disabled = settings.key_of("momentum") is None
+
+    settings.param.watch(enable_momentum, "averaging")
+    enable_momentum()
+
     def cell(name: str) -> pn.Column:
         widgets[name].param.update(sizing_mode="stretch_width", margin=(2, 5))
         return pn.Column(widgets[name], messages[name], sizing_mode="stretch_width", margin=0)
 
-    pairs = [pn.Row(cell(a), cell(b), sizing_mode="stretch_width")
-             for a, b in [("preset", "backend"), *zip(SETTINGS_ORDER[1::2], SETTINGS_ORDER[2::2])]]
+    names_in_rows = ("preset", *SETTINGS_ORDER)
+    pairs = [pn.Row(*map(cell, names_in_rows[i:i + 2]), sizing_mode="stretch_width")
+             for i in range(0, len(names_in_rows), 2)]
     return pn.Column(*pairs, cell("data"), cell("runs_dir"), sizing_mode="stretch_width")
 
 

@@ -21,11 +21,12 @@ from labavg.index import (
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
-TABLE_COLUMNS = ("run", "ranks", "K", "lr", "wer_pct", "per_pct", "cv_acc_pct", "cv_loss", "speedup",
-                 "efficiency", "status", "optimizer", "model", "wall_s", "comm_pct", "backend",
-                 "schedule", "pretrain", "minibatch", "epochs")
+TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
+                 "efficiency", "status", "cv_loss", "mb_sent", "optimizer", "model", "wall_s",
+                 "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
-                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency"}
+                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
+                "mb_sent": "MB sent"}
 
 
 def _table_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +37,15 @@ def _table_row(row: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "run": row["run"], "status": row["status"], "backend": row["backend"],
-        "ranks": row["ranks"], "K": row["average_every"], "optimizer": row["optimizer"],
+        "ranks": row["ranks"], "K": row["average_every"], "method": row["averaging"],
+        "reduce": row["reduce"], "optimizer": row["optimizer"],
         "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
         "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
         "wer_pct": row["wer"], "per_pct": row["per"],
         "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
         "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
+        # Per rank, all rounds (what one rank sent; labavg.averaging's bytes_sent).
+        "mb_sent": None if row["bytes_sent"] is None else row["bytes_sent"] / 1e6,
         "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
     }
 
@@ -118,6 +122,14 @@ class RunTable(param.Parameterized):
                 "cv_frames": cv_x, "cv_acc_pct": cv_y,
             }
         return curves
+
+    def communication(self) -> list[dict[str, Any]]:
+        """(method, ranks, K, MB sent per rank, CV accuracy %, WER %, run) of the finished
+        multi-rank runs: what each bought with the bytes it sent."""
+        return [{"method": r["method"], "ranks": r["ranks"], "K": r["K"], "mb_sent": r["mb_sent"],
+                 "cv_acc_pct": r["cv_acc_pct"], "wer_pct": r["wer_pct"], "run": r["run"]}
+                for r in self.rows
+                if r["status"] == "finished" and r["ranks"] and r["ranks"] > 1 and r["mb_sent"]]
 
     def scaling(self) -> list[dict[str, Any]]:
         """(ranks, speedup, efficiency, K, run) of the finished runs with a known speedup."""

@@ -37,6 +37,9 @@ DEFAULTS = "defaults"  # the preset of TrainConfig's own defaults
 # The key of a problem that no single control owns (settings that contradict each other).
 GENERAL = ""
 _KEPT_BY_PRESETS = ("ranks", "average_every", "data")
+# One momentum box for the method chosen: BMUF's block momentum or DiLoCo's outer momentum
+# (the same rule, [0, 1)); plain averaging has none, and the box is then not used.
+METHOD_MOMENTUM = {"bmuf": "bmuf.momentum", "diloco": "diloco.momentum"}
 
 
 def _default(key: str) -> Any:
@@ -87,6 +90,9 @@ class RunSettings(param.Parameterized):
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
     ranks = control("ranks", "ranks")
     average_every = control("average_every", "K (average every)")
+    averaging = control("averaging", "averaging method")
+    momentum = control("bmuf.momentum", "momentum (bmuf, diloco)")
+    reduce = control("reduce", "reduce algorithm")
     lr = control("lr", "learning rate")
     final_lr = control("final_lr", "final lr")
     schedule = control("schedule", "schedule")
@@ -121,8 +127,15 @@ class RunSettings(param.Parameterized):
         update.update({shown[k]: v for k, v in values.items() if k in shown})
         self.param.update(**update, overrides={**self.overrides, **extra})
 
+    def key_of(self, name: str) -> str | None:
+        """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""
+        if name == "momentum":
+            return METHOD_MOMENTUM.get(self.averaging)
+        return CONTROLS[name]
+
     def _values(self, out: str | Path) -> dict[str, Any]:
-        values = {key: getattr(self, name) for name, key in CONTROLS.items()}
+        values = {key: getattr(self, name) for name in CONTROLS
+                  if (key := self.key_of(name)) is not None}
         values.update({"out": str(out), "backend": BACKEND_LABELS[self.backend],
                        "tensorboard": False, "data.data": str(Path(self.data or "").expanduser()),
                        **self.overrides})
@@ -131,7 +144,10 @@ class RunSettings(param.Parameterized):
     def problems(self) -> dict[str, str]:
         """What is wrong, by control name; GENERAL for what no one control owns."""
         found = {}
-        for name, key in CONTROLS.items():
+        for name in CONTROLS:
+            key = self.key_of(name)
+            if key is None:
+                continue
             problem = check_setting(key, getattr(self, name))
             if problem is not None:
                 found[name] = problem

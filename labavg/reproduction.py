@@ -144,11 +144,13 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
             "max_change_median_scale": statistics.median(scales) if scales else None}
 
 
-SWEEPS = ("paper", "regime", "yesno", "mpi", "explain")
+SWEEPS = ("paper", "regime", "yesno", "mpi", "explain", "beyond")
 # What a results file keeps of each run's settings: enough to select and to describe it.
 _KEPT = VARIED + ("seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",
                   "model.hidden_layers", "model.hidden_dim", "model.nonlinearity", "decode_data",
-                  "final_lr", "max_change_per_sample", "max_param_change", "rbm.epochs")
+                  "final_lr", "max_change_per_sample", "max_param_change", "rbm.epochs",
+                  "averaging", "reduce", "payload", "payload_bits", "bmuf.momentum",
+                  "bmuf.block_lr", "diloco.outer_lr", "diloco.momentum")
 
 
 def collect(out: Path) -> dict[str, list[Run]]:
@@ -187,6 +189,19 @@ def read_results_file(path: Path) -> dict[str, list[Run]]:
                 Run(item["name"], item["settings"], item["summary"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{path}, line {number}: not a results line ({exc})") from None
+    return out
+
+
+def with_recorded(runs: dict[str, list[Run]], results: Path) -> dict[str, list[Run]]:
+    """`runs` plus the runs of the results file whose run directories are not there: a report
+    remade where only some sweeps' runs are (another machine, a cleaned runs directory) keeps
+    the rest as they were recorded, and a run there is wins over its recorded copy."""
+    if not Path(results).is_file():
+        return runs
+    out = {name: list(group) for name, group in runs.items()}
+    for name, recorded in read_results_file(results).items():
+        have = {r.name for r in out.get(name, [])}
+        out.setdefault(name, []).extend(r for r in recorded if r.name not in have)
     return out
 
 
@@ -694,6 +709,10 @@ class Experiments:
     def explain(self) -> Path:
         return self.directory / "explain.toml"
 
+    @property
+    def beyond(self) -> Path:
+        return self.directory / "beyond.toml"
+
 
 # The tiny version of the same pipeline (tests, notebooks at their CI size): same grids, two
 # seeds, a tiny model for one epoch on tiny corpora.
@@ -767,7 +786,8 @@ def comparison_map_points(paper_runs: list[Run], base: dict[str, Any]) -> list[M
 
 
 def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, command: str,
-                  seconds: float, figure: Path | None, report: Path) -> str:
+                  seconds: float, figure: Path | None, report: Path,
+                  beyond_figure: Path | None = None) -> str:
     """REPRODUCTION.md (above the discussion marker) from the finished runs."""
     paper_runs, regime_runs, yesno_runs = (runs.get(k, []) for k in ("paper", "regime", "yesno"))
     base = base_settings(paper_runs, experiments.paper)
@@ -843,6 +863,10 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
         parts += ["#### The two schedules epoch by epoch (16 workers, seed 0)", ""]
         parts += schedule_trace(paper_runs, base)
     parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))
+    if runs.get("beyond"):
+        from labavg.beyond import section
+
+        parts += [""] + section(runs["beyond"], experiments.beyond, beyond_figure, report)
     return "\n".join(parts) + "\n"
 
 
@@ -904,8 +928,10 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     jobs = [("paper", exp.paper, out / "paper", None), ("regime", exp.regime, out / "regime", None)]
     if yesno is not None:
         jobs.append(("yesno", exp.yesno, out / "yesno", yesno))
-    if exp.explain.is_file():
-        jobs.append(("explain", exp.explain, out / "explain", None))
+    for name in ("explain", "beyond"):
+        path = getattr(exp, name)
+        if path.is_file():
+            jobs.append((name, path, out / name, None))
     if train:
         from labavg.sweep import make_corpora
 
@@ -915,14 +941,21 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
         if mpi:
             measure_mpi(exp.paper, out / "mpi")
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
-    runs = collect(out)
-    write_results_file(runs, results if results is not None else exp.directory / RESULTS_FILE)
+    beyond_figure = figure.with_name("beyond-the-paper.png")
+    results = results if results is not None else exp.directory / RESULTS_FILE
+    runs = with_recorded(collect(out), results)
+    write_results_file(runs, results)
     points = regime_points(runs["regime"])
     if points:
         base = base_settings(runs["paper"], exp.paper)
         regime_figure(points, comparison_map_points(runs["paper"], base), figure)
+    if runs["beyond"]:
+        from labavg.beyond import figure as draw_beyond
+
+        draw_beyond(runs["beyond"], select([r for r in runs["beyond"] if r.get("ranks") == 1]),
+                    beyond_figure)
     text = render_report(runs, exp, command=command, seconds=time.perf_counter() - start,
-                         figure=figure, report=report)
+                         figure=figure, report=report, beyond_figure=beyond_figure)
     # A discussion written by people below the marker survives regeneration.
     kept = report.read_text().partition(DISCUSSION_MARKER)[2] if report.is_file() else ""
     atomic_write_text(report, f"{text}\n{DISCUSSION_MARKER}{kept or chr(10)}")

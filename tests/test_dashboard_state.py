@@ -174,6 +174,24 @@ def test_to_config_maps_every_control(corpus, tmp_path):
     assert (cfg.minibatch, cfg.epochs, cfg.model.hidden_layers, cfg.model.hidden_dim) == (128, 3, 2, 48)
     assert (cfg.data.data, cfg.data.context, cfg.data.buffer_frames) == (str(corpus), 2, 2048)
     assert cfg.tensorboard is False and cfg.final_learning_rate() == 0.0005
+    assert (cfg.averaging, cfg.reduce) == ("model", "allreduce")
+
+
+def test_the_momentum_box_sets_the_chosen_methods_momentum(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path, averaging="bmuf", momentum=0.75, reduce="ring")
+    cfg = settings.to_config(tmp_path / "r")
+    assert (cfg.averaging, cfg.reduce, cfg.bmuf.momentum) == ("bmuf", "ring", 0.75)
+    assert cfg.diloco.momentum == TrainConfig().diloco.momentum
+    settings.averaging = "diloco"
+    cfg = settings.to_config(tmp_path / "r")
+    assert (cfg.diloco.momentum, cfg.bmuf.momentum) == (0.75, TrainConfig().bmuf.momentum)
+    settings.momentum = 1.0
+    # Named in the CLI's words, for the setting the box stands for now.
+    assert settings.errors == {"momentum": _cli_words("diloco.momentum", 1.0)}
+    assert settings.errors["momentum"].startswith("diloco.momentum must be")
+    settings.averaging = "model"  # plain averaging has no momentum: the box is not used
+    assert settings.errors == {} and settings.key_of("momentum") is None
+    assert settings.to_config(tmp_path / "r").bmuf.momentum == TrainConfig().bmuf.momentum
 
 
 def test_live_run_fills_every_ranks_buffers(finished_runs):
@@ -307,6 +325,31 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     assert [p["run"] for p in parsed] == [r["run"] for r in rows]
     assert float(parsed[1]["wall_s"]) == pytest.approx(three.summary["wall_seconds"])
     assert float(parsed[0]["cv_acc_pct"]) == pytest.approx(100 * one.summary["cv_frame_accuracy"], abs=0.01)
+
+
+def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
+    from dashboard.components import communication_plot, load_backend
+
+    load_backend()
+    runs, (one, three) = finished_runs
+    table = RunTable(runs_dir=str(runs))
+    rows = table.refresh()
+    assert [r["method"] for r in rows] == ["model", "model"]
+    # One rank averages nothing: it sends no bytes and is not a point of the view.
+    assert rows[0]["mb_sent"] is None or rows[0]["mb_sent"] == 0
+    assert rows[1]["mb_sent"] == pytest.approx(three.summary["bytes_sent"] / 1e6)
+    assert three.summary["bytes_sent"] == (
+        three.summary["bytes_per_round"] * three.summary["averaging_rounds"])
+    points = table.communication()
+    assert [(p["method"], p["ranks"], p["K"]) for p in points] == [("model", 3, 4)]
+    assert points[0]["cv_acc_pct"] == pytest.approx(100 * three.summary["cv_frame_accuracy"], abs=0.01)
+    layout = communication_plot([*points, {**points[0], "method": "bmuf", "mb_sent": 2.0,
+                                           "run": "other"}])
+    accuracy, wer = layout
+    assert sorted(el.label for el in accuracy) == ["bmuf, 3 ranks", "model, 3 ranks"]
+    assert accuracy.opts.get().kwargs["logx"] is True
+    assert "MB sent per rank" in accuracy.opts.get().kwargs["xlabel"]
+    assert len(wer) == 1 and len(wer.get(0)) == 0  # no decoded run: an empty plot, not an error
 
 
 def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_path):

@@ -43,7 +43,8 @@ def test_every_flag_sets_its_setting_and_shows_its_help():
 def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
     from dashboard.settings import CONTROLS, RunSettings
 
-    settings = RunSettings(data=str(tmp_path))
+    # A method with a momentum, so that the momentum box is checked (plain averaging has none).
+    settings = RunSettings(data=str(tmp_path), averaging="bmuf")
     for name, key in CONTROLS.items():
         field = setting_field(key)
         rule = field.metadata["rule"]
