@@ -24,6 +24,7 @@ METHODS = ("model", "bmuf", "diloco")
 # The paper's averaging interval: what every other point is compared against.
 PAPER_K = 10
 _LABELS = {"model": "model (the paper's)", "bmuf": "BMUF", "diloco": "DiLoCo"}
+_SHORT = {"model": "model", "bmuf": "BMUF", "diloco": "DiLoCo"}
 
 
 def _payload(run: Run) -> str:
@@ -113,7 +114,7 @@ def verdicts(runs: list[Run]) -> list[tuple[str, str]]:
                 if not cell:
                     continue
                 diff, word = compare(cell, _cell(runs, ranks, k, "model"))
-                out.append((f"{_LABELS[method]} vs model, {ranks} workers, K = {k}",
+                out.append((f"{_SHORT[method]} vs model, {ranks} workers, K = {k}",
                             f"{word}: {_interval(diff)} points of WER"))
         for method in METHODS:
             for k in [k for k in ks if k > PAPER_K]:
@@ -122,7 +123,7 @@ def verdicts(runs: list[Run]) -> list[tuple[str, str]]:
                     continue
                 diff, word = compare(cell, ref)
                 ratio = (_mean_mb(ref) or math.nan) / (_mean_mb(cell) or math.nan)
-                out.append((f"{_LABELS[method]} at K = {k} ({ratio:.0f}x fewer bytes) vs model at "
+                out.append((f"{_SHORT[method]} at K = {k} ({ratio:.0f}x fewer bytes) vs model at "
                             f"K = {PAPER_K}, {ranks} workers", f"{word}: {_interval(diff)} points"))
     return out
 
