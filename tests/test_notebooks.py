@@ -31,6 +31,7 @@ ORDER = [
     "06-averaging-frequency-minibatch-and-schedules",
     "07-scaling-and-speedup",
     "08-reproducing-the-paper",
+    "09-beyond-the-paper",
 ]
 # What notebook cells may import: labavg itself, plotting and display, a few standard modules.
 ALLOWED_IMPORTS = {"labavg", "dashboard", "holoviews", "pandas", "IPython", "os", "pathlib", "time",
@@ -49,6 +50,9 @@ EXPECTED_RUNS = {
         "sweeps/06-minibatch/runs/minibatch_32", "sweeps/06-schedule/runs/schedule_newbob"],
     "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2"],
     "08-reproducing-the-paper": [],  # it reads experiments/reproduction-results.jsonl
+    "09-beyond-the-paper": ["sweeps/09-methods/runs/ranks_1"] + [
+        f"sweeps/09-methods/runs/averaging_{m}-average_every_{k}"
+        for m in ("model", "bmuf", "diloco") for k in (2, 16)],
 }
 
 
@@ -182,6 +186,14 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         shown = "".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells
                         if c.cell_type == "code" for o in c.get("outputs", []))
         assert "### Number of workers" in shown and "| corpus h | workers N |" in shown
+    if name == "09-beyond-the-paper":
+        assert "K=16: gain over model in CV frame accuracy (points, one seed): bmuf " in text
+        averaging = {s["config"]["averaging"] for s in _summaries(work).values()}
+        assert averaging == {"model", "bmuf", "diloco"}
+        sent = {p.name: s["bytes_sent"] for p, s in _summaries(work).items()}
+        # every method sends the same bytes at one K; 8x fewer rounds at K=16 than at K=2
+        assert sent["averaging_bmuf-average_every_2"] == sent["averaging_model-average_every_2"] > 0
+        assert sent["averaging_model-average_every_16"] < sent["averaging_model-average_every_2"] / 4
     if name == "04-ngsgd-vs-sgd":
         # an exported copy shows its plots offline: bokeh's JavaScript is inline, not from a CDN
         from nbconvert import HTMLExporter
