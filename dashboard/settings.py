@@ -91,7 +91,7 @@ class RunSettings(param.Parameterized):
     ranks = control("ranks", "ranks")
     average_every = control("average_every", "K (average every)")
     averaging = control("averaging", "averaging method")
-    momentum = control("bmuf.momentum", "momentum (bmuf, diloco)")
+    momentum = control("bmuf.momentum", "method momentum")
     reduce = control("reduce", "reduce algorithm")
     lr = control("lr", "learning rate")
     final_lr = control("final_lr", "final lr")

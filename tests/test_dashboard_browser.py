@@ -338,7 +338,7 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     assert not re.search(r"\d\.\d{6,}", cells), cells
     page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
     table = page.locator(".tabulator").first.bounding_box()
-    for title in ("ranks", "lr", "WER %", "PER %", "CV acc %", "CV loss", "speedup", "efficiency"):
+    for title in ("ranks", "method", "lr", "WER %", "PER %", "CV acc %", "speedup", "efficiency"):
         header = page.locator(".tabulator-col", has_text=title).first
         box = header.bounding_box()
         assert box["x"] + box["width"] <= min(1366, table["x"] + table["width"]) + 1, title
@@ -360,3 +360,25 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     page.screenshot(path=str(ARTIFACTS / "dashboard-overlay.png"))
     run_dirs = sorted(p.name for p in runs.iterdir())
     assert len(run_dirs) == 3 and all((runs / d / "summary.json").is_file() for d in run_dirs)
+
+    # The Communication tab: the two 2-rank runs (plain averaging) by the bytes they sent.
+    page.locator(".bk-tab", has_text="Communication").click()
+    _wait_for(lambda: "model, 2 ranks" in page.evaluate(LEGENDS_JS), 60, "the communication legend")
+    time.sleep(1)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-communication.png"))
+
+
+def test_the_momentum_box_is_used_only_by_a_method_that_has_one(page, served):
+    momentum = page.get_by_label("method momentum", exact=True)
+    assert momentum.is_disabled()  # plain averaging (the default) has no momentum
+    page.get_by_label("averaging method", exact=True).select_option("bmuf")
+    _wait_for(lambda: momentum.is_enabled(), 30, "the momentum box to be enabled")
+    _set_number(page, "method momentum", 1.5)
+    _message_below(page, "method momentum", "bmuf.momentum must be")
+    assert _start_disabled(page)
+    page.get_by_label("averaging method", exact=True).select_option("diloco")
+    _message_below(page, "method momentum", "diloco.momentum must be")
+    _set_number(page, "method momentum", 0.5)
+    _wait_for(lambda: not page.get_by_text("diloco.momentum must be").count(), 30, "the message to go")
+    page.get_by_label("averaging method", exact=True).select_option("model")
+    _wait_for(lambda: momentum.is_disabled(), 30, "the momentum box to be disabled")
