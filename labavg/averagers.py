@@ -39,6 +39,10 @@ method to plain averaging (η = 0, ζ = 1; α = 1, μ = 0) give the average bit 
 With one rank there is nothing to average (no allreduce, no bytes), but bmuf and diloco still
 apply their outer step to the one worker's block: DiLoCo with one worker is a method of its
 own (the paper's k = 1), and a 1-rank run of a method is the baseline of its N-rank runs.
+
+Hierarchical averaging (`[hierarchy]`, `HierarchicalAverager`) puts a plain average of the
+ranks of each node every K minibatches inside the method's blocks, which then last K2 =
+`hierarchy.every` minibatches: the outer step sees one block of K2 per round across nodes.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from labavg.averaging import AverageStats, average_parameters
 from labavg.comm.base import Communicator
 from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
 from labavg.config import BMUFConfig, DiLoCoConfig, TrainConfig
+from labavg.errors import UserError
+
+# The scopes of a round (`due`): the ranks of one node, or every rank.
+NODE, ALL = "node", "all"
 
 
 class Averager:
@@ -98,11 +106,11 @@ class Averager:
 
     # The round --------------------------------------------------------------------------------
 
-    def due(self, step: int, end_of_epoch: bool) -> bool:
-        """Whether the round comes after minibatch `step` (every K-th, and every epoch end)."""
-        return step % self.every == 0 or end_of_epoch
+    def due(self, step: int, end_of_epoch: bool) -> str | None:
+        """The round after minibatch `step`: ALL every K-th and every epoch end, else None."""
+        return ALL if step % self.every == 0 or end_of_epoch else None
 
-    def round(self, flat: torch.Tensor, stop: bool = False) -> AverageStats:
+    def round(self, flat: torch.Tensor, stop: bool = False, scope: str = ALL) -> AverageStats:
         """One averaging round on this rank's parameters `flat` (in place, every rank at once).
 
         Afterwards `flat` holds the model the next block starts from, the same on every rank.
@@ -228,17 +236,113 @@ class DiLoCoAverager(Averager):
         return {"momentum": self.momentum}
 
 
+class HierarchicalAverager:
+    """Averaging within nodes every K minibatches, across all ranks every K2 (`[hierarchy]`).
+
+    A node round (`due` gives NODE) is a plain mean over `node`, the ranks of this rank's node:
+    one allreduce there, no outer step, the stop request kept for the next round across
+    nodes (only there do all ranks agree on it). An all round (every K2-th minibatch and every
+    epoch end) is `inner`'s round over every rank, the method's outer step included: BMUF's
+    G(t) and DiLoCo's outer gradient are then the change since the last all round, the block
+    of K2 minibatches the node rounds happened inside. Node rounds are not outer steps because
+    each node would filter its own update with a momentum that is shared by all ranks: the
+    nodes' momenta would part, and no all round could bring them together again.
+
+    The fallback of a node whose ranks all diverged is the node's model after the last round.
+    """
+
+    def __init__(self, inner: Averager, node: Communicator, every_all: int) -> None:
+        if every_all < 1 or every_all % inner.every:
+            raise ValueError(f"the interval across nodes ({every_all}) must be a positive "
+                             f"multiple of the interval within them ({inner.every})")
+        self.inner, self.node, self.every_all = inner, node, every_all
+        self.method, self.reduce, self.every, self.comm = (
+            inner.method, inner.reduce, inner.every, inner.comm)
+        self.node_model = inner.global_model.clone() if inner.global_model is not None else None
+        self._stop = False
+
+    def due(self, step: int, end_of_epoch: bool) -> str | None:
+        """ALL every K2-th minibatch and every epoch end, NODE every other K-th, else None."""
+        if step % self.every_all == 0 or end_of_epoch:
+            return ALL
+        return NODE if step % self.every == 0 else None
+
+    def round(self, flat: torch.Tensor, stop: bool = False, scope: str = ALL) -> AverageStats:
+        """One round of `scope` (the one `due` gave) on this rank's parameters, in place."""
+        if scope == ALL:
+            stats = self.inner.round(flat, stop=stop or self._stop)
+            self._stop = False
+        elif scope == NODE:
+            start = time.perf_counter()
+            self._stop = self._stop or stop
+            stats = average_parameters(flat, self.node, fallback=self.node_model,
+                                       reduce=self.reduce)
+            stats = dataclasses.replace(stats, stop=False,
+                                        comm_seconds=time.perf_counter() - start)
+        else:
+            raise ValueError(f"unknown round scope {scope!r}; known: {NODE}, {ALL}")
+        if self.node_model is not None:
+            self.node_model.copy_(flat)
+        return stats
+
+    def restart(self, flat: torch.Tensor) -> None:
+        """As Averager.restart (Newbob's rollback comes after an all round)."""
+        self.inner.restart(flat)
+        if self.node_model is not None:
+            self.node_model.copy_(flat)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The method's state, and the global model of the last all round: after a node round
+        the parameters are the node's model, which the next outer step must not start from."""
+        state = self.inner.state_dict()
+        if self.inner.global_model is not None:
+            state["hierarchy_global"] = self.inner.global_model.detach().cpu().clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | None, flat: torch.Tensor) -> None:
+        """As Averager.load_state_dict; a checkpoint without hierarchy was taken after a round
+        across all ranks, so its parameters are that round's global model."""
+        self.inner.load_state_dict(state, flat)
+        saved = None if state is None else state.get("hierarchy_global")
+        if saved is not None and self.inner.global_model is not None:
+            if saved.shape != self.inner.global_model.shape:
+                raise ValueError(f"the checkpoint's global model holds {saved.numel()} values, "
+                                 f"the model has {self.inner.global_model.numel()}")
+            self.inner.global_model.copy_(saved.to(self.inner.global_model.device))
+        if self.node_model is not None:
+            self.node_model.copy_(flat)
+
+
+def node_communicator(comm: Communicator, node_size: int) -> Communicator:
+    """This rank's node: ranks [i * node_size, (i + 1) * node_size) when `node_size` > 0, else
+    the ranks the backend finds on this rank's host (collective)."""
+    color = comm.rank // node_size if node_size > 0 else comm.node_color()
+    if color is None:
+        raise UserError("hierarchy.node_size = 0: this backend cannot tell which ranks share "
+                        "a node; set hierarchy.node_size")
+    return comm.split(color, comm.rank)
+
+
 AVERAGERS: dict[str, type[Averager]] = {
     cls.method: cls for cls in (Averager, BMUFAverager, DiLoCoAverager)}
 
 
-def make_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator) -> Averager:
-    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`."""
+def make_averager(cfg: TrainConfig, flat: torch.Tensor,
+                  comm: Communicator) -> Averager | HierarchicalAverager:
+    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`;
+    inside a HierarchicalAverager when `hierarchy.every` > 0 (collective then: it splits
+    `comm` into nodes)."""
     every, reduce = cfg.averaging_interval(), cfg.reduce
     if cfg.averaging == "bmuf":
-        return BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce)
-    if cfg.averaging == "diloco":
-        return DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce)
-    if cfg.averaging == "model":
-        return Averager(flat, comm, every, reduce=reduce)
-    raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: {', '.join(AVERAGERS)}")
+        averager = BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce)
+    elif cfg.averaging == "diloco":
+        averager = DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce)
+    elif cfg.averaging == "model":
+        averager = Averager(flat, comm, every, reduce=reduce)
+    else:
+        raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: "
+                         f"{', '.join(AVERAGERS)}")
+    if cfg.hierarchy.every == 0:
+        return averager
+    return HierarchicalAverager(averager, node_communicator(comm, cfg.hierarchy.node_size),
+                                cfg.hierarchy.every)

@@ -6,7 +6,7 @@ bounds) and, for the common ones, its command-line flag, in the field's metadata
 controls (`dashboard.settings`) are generated from them. This module imports no torch.
 
 A TOML file holds the training keys at the top level and one table per part:
-`[model]`, `[data]`, `[ngsgd]`, `[rbm]`, `[newbob]`, `[bmuf]`, `[diloco]`. Files are parsed,
+`[model]`, `[data]`, `[ngsgd]`, `[rbm]`, `[newbob]`, `[bmuf]`, `[diloco]`, `[hierarchy]`. Files are parsed,
 never executed.
 """
 
@@ -340,6 +340,17 @@ class DiLoCoConfig:
     nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
 
 
+@dataclass(frozen=True)
+class HierarchyConfig:
+    """Hierarchical averaging (labavg.averagers.HierarchicalAverager, docs/averaging.md): the
+    ranks of a node average every K minibatches (`average_every`), all ranks every `every`."""
+
+    every: int = setting(0, "minibatches between averaging rounds across nodes, a multiple of "
+                         "average_every (0: no hierarchy, every round across all ranks)", _int(0))
+    node_size: int = setting(0, "ranks per node (0: the ranks sharing a host's memory; inproc "
+                             "needs a number)", _int(0))
+
+
 @dataclass
 class TrainConfig:
     """Everything one training run needs. Defaults follow the paper where CPU time allows."""
@@ -402,6 +413,8 @@ class TrainConfig:
     bmuf: BMUFConfig = setting(help="block momentum (averaging = bmuf)", factory=BMUFConfig)
     diloco: DiLoCoConfig = setting(help="DiLoCo's outer optimizer (averaging = diloco)",
                                    factory=DiLoCoConfig)
+    hierarchy: HierarchyConfig = setting(help="averaging within nodes, then across them",
+                                         factory=HierarchyConfig)
 
     def averaging_interval(self) -> int:
         """K, the number of minibatches between averaging rounds."""
@@ -422,7 +435,8 @@ class TrainConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "ngsgd": NGConfig, "rbm": RBMConfig,
-             "newbob": NewbobConfig, "bmuf": BMUFConfig, "diloco": DiLoCoConfig}
+             "newbob": NewbobConfig, "bmuf": BMUFConfig, "diloco": DiLoCoConfig,
+             "hierarchy": HierarchyConfig}
 # The sections whose __post_init__ refuses bad values with a bare ValueError: their rules also
 # run where they are built from plain values (TOML, --set, config.json), before the dataclass
 # exists. The others stay buildable with bad values, so that a caller (a sweep naming its grid
@@ -491,11 +505,44 @@ def _cross_checks(cls: type, v: Mapping[str, Any], prefix: str) -> str | None:
         if v["momentum_ramp_frames"] < v["momentum_steps"]:
             return (f"{prefix}momentum_ramp_frames ({v['momentum_ramp_frames']}) must be >= "
                     f"{prefix}momentum_steps ({v['momentum_steps']})")
+    if cls is TrainConfig and v["hierarchy"].every > 0:
+        problem = _hierarchy_problem(v, v["ranks"] if v["backend"] == "inproc" or v["ranks"] > 1
+                                     else None)
+        if problem is not None:
+            return problem
     if cls is TrainConfig and v["data"].buffer_frames < v["minibatch"]:
         # FrameBatches needs a whole minibatch in its buffer.
         return (f"data.buffer_frames ({v['data'].buffer_frames}) must be at least the minibatch "
                 f"({v['minibatch']})")
     return None
+
+
+def _hierarchy_problem(v: Mapping[str, Any], size: int | None) -> str | None:
+    """What is wrong with the [hierarchy] settings on `size` ranks (None: not known yet)."""
+    h = v["hierarchy"]
+    if v["average_every_frames"] is not None:
+        k = max(1, round(v["average_every_frames"] / v["minibatch"]))
+        k_name = f"K = {k} (average_every_frames = {v['average_every_frames']})"
+    else:
+        k, k_name = v["average_every"], f"average_every = {v['average_every']}"
+    if h.every % k:
+        return f"hierarchy.every = {h.every} is not a multiple of {k_name}"
+    if h.node_size == 0 and v["backend"] == "inproc":
+        return ("hierarchy.node_size = 0 (the hosts' shared-memory groups) cannot be told on "
+                "backend 'inproc', whose ranks are threads of one process: set "
+                "hierarchy.node_size")
+    if size is not None and h.node_size > 0 and size % h.node_size:
+        return f"hierarchy.node_size = {h.node_size} does not divide the {size} ranks"
+    return None
+
+
+def check_hierarchy(cfg: TrainConfig, size: int) -> None:
+    """UserError unless the [hierarchy] settings fit `size` ranks (the launched ones)."""
+    if cfg.hierarchy.every > 0:
+        problem = _hierarchy_problem(
+            {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, size)
+        if problem is not None:
+            raise UserError(problem)
 
 
 def _check_fields(cls: type, values: Mapping[str, Any], prefix: str) -> str | None:

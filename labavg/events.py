@@ -45,6 +45,8 @@ class RunStarted(Event):
     averaging: str = "model"  # the averaging method (labavg.averagers)
     reduce: str = "allreduce"  # the algorithm computing the mean (labavg.comm.reduce)
     bytes_per_round: int = 0  # of the parameter buffer each rank allreduces per round
+    hierarchy_every: int = 0  # K2, minibatches between rounds across nodes (0: no hierarchy)
+    node_ranks: int = 0  # ranks in this rank's node (0: no hierarchy)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Averaged(Event):
     comm_seconds: float
     frames_per_second: float  # this rank's training frames / compute seconds in the round
     bytes_sent: int = 0  # the parameter buffer this rank put into the round's allreduce
+    scope: str = "all"  # "node": among this rank's node only ([hierarchy]); "all": every rank
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,5 @@ class RunFinished(Event):
     cv_frame_accuracy: float
     stopped: bool = False  # True when stopped on request before the planned end
     bytes_sent: int = 0  # this rank's parameter bytes over all averaging rounds
+    node_rounds: int = 0  # of averaging_rounds, those within the node only ([hierarchy])
+    node_bytes_sent: int = 0  # of bytes_sent, those of the node rounds

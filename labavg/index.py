@@ -27,7 +27,7 @@ CONFIG = "config.json"
 # never runs.
 PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
                  "tensorboard", "watchdog_seconds", "average_every", "average_every_frames",
-                 "reduce")
+                 "reduce", "hierarchy")
 
 
 class EventTail:

@@ -130,8 +130,10 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     Called before any rank allocates a model, so that what every rank would meet is reported once.
     """
-    from labavg.config import check_model_size
+    from labavg.config import check_hierarchy, check_model_size
 
+    if size is not None:  # the launched ranks; validate checked cfg.ranks where it is known
+        check_hierarchy(cfg, size)
     train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
     steps_per_epoch(train_keys, source.num_frames, size or cfg.ranks, cfg.minibatch)
     check_model_size(cfg, source.feat_dim * (2 * cfg.data.context + 1), source.num_pdfs)
@@ -148,6 +150,8 @@ class Progress:
     step: int = 0  # minibatches done since the start of the run
     rounds: int = 0  # averaging rounds done
     bytes_sent: int = 0  # parameter bytes this rank put into the rounds' allreduces
+    node_rounds: int = 0  # of `rounds`, those within the node only ([hierarchy])
+    node_bytes_sent: int = 0  # of `bytes_sent`, those of the node rounds
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     wall_seconds: float = 0.0  # training wall time up to the last checkpoint (resumes add to it)
@@ -253,6 +257,8 @@ def train_rank(
         average_every=K, effective_lr=lr0, start_step=progress.step, averaging=averager.method,
         reduce=averager.reduce,
         bytes_per_round=flat.numel() * flat.element_size() if size > 1 else 0,
+        hierarchy_every=cfg.hierarchy.every,
+        node_ranks=averager.node.size if cfg.hierarchy.every else 0,
     )
 
     cv_loss = cv_acc = math.nan
@@ -294,16 +300,21 @@ def train_rank(
                 yield Message(rank=rank, step=step, text="non-finite update skipped")
             apply_fault(fault, rank, step, flat)
             end_of_epoch = step % num_steps == 0
-            if not averager.due(step, end_of_epoch):
+            scope = averager.due(step, end_of_epoch)
+            if scope is None:
                 continue
 
             # Averaging round (Su & Chen 2015): one allreduce of the flat parameter buffer, then
-            # the method's update of the global model (labavg.averagers).
+            # the method's update of the global model (labavg.averagers); with [hierarchy], a
+            # "node" round is the plain mean of this rank's node only.
             wants_stop = should_stop is not None and should_stop()
-            avg = averager.round(flat, stop=wants_stop)
+            avg = averager.round(flat, stop=wants_stop, scope=scope)
             progress.rounds += 1
             progress.comm_seconds += avg.comm_seconds
             progress.bytes_sent += avg.bytes_sent
+            if scope == "node":
+                progress.node_rounds += 1
+                progress.node_bytes_sent += avg.bytes_sent
             if not avg.finite:
                 yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
                               "average; this rank restarts from the averaged model")
@@ -311,7 +322,7 @@ def train_rank(
                 rank=rank, round=progress.rounds, step=step, divergence=avg.divergence,
                 compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
                 frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
-                bytes_sent=avg.bytes_sent,
+                bytes_sent=avg.bytes_sent, scope=scope,
             )
             round_compute, round_frames = 0.0, 0
             if avg.stop:
@@ -357,6 +368,7 @@ def train_rank(
         compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
         averaging_rounds=progress.rounds, frames_trained=progress.step * cfg.minibatch * size,
         cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped, bytes_sent=progress.bytes_sent,
+        node_rounds=progress.node_rounds, node_bytes_sent=progress.node_bytes_sent,
     )
 
 

@@ -234,6 +234,13 @@ class WatchedCommunicator:
     def barrier(self) -> None:
         self._call("barrier", self._comm.barrier)
 
+    def split(self, color: int, key: int = 0) -> "WatchedCommunicator":
+        return WatchedCommunicator(self._call("split", self._comm.split, color, key),
+                                   self._watchdog)
+
+    def node_color(self) -> int | None:
+        return self._call("node_color", self._comm.node_color)
+
     def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         self._comm.abort(reason, code, quiet=quiet)
 

@@ -37,6 +37,18 @@ class Communicator(Protocol):
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
 
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """This rank's communicator among the ranks that passed the same `color`.
+
+        Collective: every rank calls it. Ranks of the new group are numbered by (`key`, old
+        rank), as MPI_Comm_split numbers them. Hierarchical averaging (labavg.averagers) makes
+        "my node" with it, and "the same rank on every node" with color = rank in the node.
+        """
+
+    def node_color(self) -> int | None:
+        """The same number on exactly the ranks of this rank's node (the processes sharing one
+        host's memory), or None where the backend cannot tell (inproc). Collective on mpi."""
+
     def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         """End the whole job now (the other ranks may be blocked in a collective).
 

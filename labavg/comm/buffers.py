@@ -34,3 +34,13 @@ def check_peer(peer: int, size: int) -> None:
     """Raise ValueError unless `peer` is a rank of a group of `size`."""
     if not 0 <= peer < size:
         raise ValueError(f"point-to-point peer {peer} is not a rank of a group of {size}")
+
+
+def split_members(pairs: list[tuple[int, int]]) -> list[list[int]]:
+    """The groups of a split, given each rank's (color, key): per color in increasing order,
+    its ranks ordered by (key, rank), as MPI_Comm_split numbers them. Every rank computes the
+    same list, so backends that must create every group everywhere (torch's new_group) agree
+    on the order."""
+    colors = sorted({color for color, _ in pairs})
+    return [sorted((r for r, (c, _) in enumerate(pairs) if c == color),
+                   key=lambda r: (pairs[r][1], r)) for color in colors]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_peer, check_root
+from labavg.comm.buffers import check_buffer, check_peer, check_root, split_members
 
 # Seconds between a waiting receiver's checks for an abort, a departed sender, the watchdog.
 _POLL_S = 0.1
@@ -69,6 +69,7 @@ class _Call:
     op: str
     buf: torch.Tensor | None = None
     root: int = 0
+    split: tuple[int, int] | None = None  # (color, key) of a `split`
 
     def describe(self) -> str:
         """`op(numel, dtype, device)` for mismatch messages."""
@@ -125,6 +126,17 @@ def _combine(calls: list[_Call]) -> torch.Tensor | None:
     return None
 
 
+def _split_groups(parent: "InProcGroup", calls: list[_Call]) -> dict[int, tuple["InProcGroup", int]]:
+    """For each parent rank, its new group and rank in it, as MPI_Comm_split orders them."""
+    out: dict[int, tuple[InProcGroup, int]] = {}
+    for members in split_members([call.split for call in calls]):
+        child = InProcGroup(len(members), parent.timeout)
+        ranks = {parent_rank: new for new, parent_rank in enumerate(members)}
+        parent._children.append((child, ranks))
+        out.update({parent_rank: (child, new) for parent_rank, new in ranks.items()})
+    return out
+
+
 class InProcGroup:
     """The rendezvous shared by the `size` simulated ranks of one process.
 
@@ -147,6 +159,9 @@ class InProcGroup:
         self._departed: list[int] = []
         self._mail: dict[tuple[int, int], queue.SimpleQueue] = {}
         self._mail_lock = threading.Lock()
+        # Groups made by `split`, with parent rank -> child rank: an abort or a departure
+        # here reaches them, since their ranks may be waiting there instead.
+        self._children: list[tuple[InProcGroup, dict[int, int]]] = []
 
     @property
     def aborted(self) -> bool:
@@ -162,6 +177,9 @@ class InProcGroup:
         """Rank `rank` has finished; a collective that still needs it can never complete."""
         with self._cond:
             self._departed.append(rank)
+            for child, ranks in self._children:
+                if rank in ranks:
+                    child.depart(ranks[rank])
             if self._arrived:
                 waiting = [r for r, call in enumerate(self._calls) if call is not None]
                 self._break(f"rank {rank} finished while rank(s) {waiting} wait in a collective")
@@ -253,7 +271,7 @@ class InProcGroup:
         self._calls = [None] * self.size
         self._arrived = 0
         try:
-            self._result = _combine(calls)
+            self._result = _split_groups(self, calls) if calls[0].op == "split" else _combine(calls)
         except BaseException as exc:
             self._break(f"rank {rank}: {type(exc).__name__}: {exc}")
             raise
@@ -265,6 +283,8 @@ class InProcGroup:
         """Mark the group broken (first reason wins) and wake every waiter. Caller holds the lock."""
         if self._broken is None:
             self._broken = reason
+        for child, _ in self._children:  # child locks are only ever taken below a parent's
+            child.abort(reason)
         self._cond.notify_all()
 
 
@@ -318,6 +338,19 @@ class InProcCommunicator:
         """Wait until every rank has arrived."""
         if self.size > 1:
             self.group.rendezvous(self.rank, _Call("barrier"))
+
+    def split(self, color: int, key: int = 0) -> "InProcCommunicator":
+        """This rank's communicator among the ranks that passed the same `color` (collective),
+        ranked by (`key`, rank) as MPI_Comm_split; an abort of this group reaches it."""
+        if self.size == 1:
+            return InProcCommunicator(InProcGroup(1, self.group.timeout), 0)
+        calls = self.group.rendezvous(self.rank, _Call("split", split=(int(color), int(key))))
+        group, rank = calls[self.rank]
+        return InProcCommunicator(group, rank)
+
+    def node_color(self) -> int | None:
+        """None: threads of one process share one memory, so there are no nodes to tell."""
+        return None
 
     def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         """Break the group: every rank waiting in (or later entering) a collective raises."""

@@ -97,6 +97,20 @@ class MpiCommunicator:
         if self.size > 1:
             self._comm.Barrier()
 
+    def split(self, color: int, key: int = 0) -> "MpiCommunicator":
+        """This rank's communicator among the ranks passing the same `color` (MPI_Comm_split;
+        collective), ranked by (`key`, rank)."""
+        return MpiCommunicator(self._comm.Split(int(color), int(key)), cuda_aware=self.cuda_aware)
+
+    def node_color(self) -> int:
+        """The lowest rank on this rank's node: the ranks MPI_Comm_split_type(
+        MPI_COMM_TYPE_SHARED) puts together (one host's memory) share it. Collective."""
+        node = self._comm.Split_type(self._mpi.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return node.allreduce(self.rank, op=self._mpi.MIN)
+        finally:
+            node.Free()
+
     def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         """End every rank of the job (MPI_Abort): the others may be blocked in a collective.
 

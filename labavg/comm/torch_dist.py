@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_peer, check_root
+from labavg.comm.buffers import check_buffer, check_peer, check_root, split_members
 
 DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -31,6 +31,9 @@ class TorchDistCommunicator:
 
         self._dist = dist
         self.device = torch.device(device)
+        self._timeout_s = timeout_s
+        self._group = None  # the default group; a `split` names its own
+        self._members: list[int] | None = None  # the default group's ranks in a split's order
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -52,7 +55,7 @@ class TorchDistCommunicator:
         check_buffer(buf)
         if self.size == 1:
             return
-        self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM)
+        self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)
         buf.div_(self.size)
 
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
@@ -60,7 +63,7 @@ class TorchDistCommunicator:
         check_buffer(buf)
         check_root(root, self.size)
         if self.size > 1:
-            self._dist.broadcast(buf, src=root)
+            self._dist.broadcast(buf, src=self._global(root), group=self._group)
 
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:
@@ -74,16 +77,16 @@ class TorchDistCommunicator:
         ops = []
         if recv is not None:
             check_peer(src, self.size)
-            ops.append(dist.P2POp(dist.irecv, recv, src))
+            ops.append(dist.P2POp(dist.irecv, recv, self._global(src), self._group))
         if send is not None:
             check_peer(dst, self.size)
-            ops.append(dist.P2POp(dist.isend, send, dst))
+            ops.append(dist.P2POp(dist.isend, send, self._global(dst), self._group))
         if not ops:
             return
         if self.device.type == "cuda":
             works = dist.batch_isend_irecv(ops)
         else:
-            works = [op.op(op.tensor, op.peer) for op in ops]
+            works = [op.op(op.tensor, op.peer, group=self._group) for op in ops]
         for work in works:
             work.wait()
 
@@ -92,9 +95,47 @@ class TorchDistCommunicator:
         if self.size == 1:
             return
         if self.device.type == "cuda":
-            self._dist.barrier(device_ids=[self.device.index or 0])
+            self._dist.barrier(group=self._group, device_ids=[self.device.index or 0])
         else:
-            self._dist.barrier()
+            self._dist.barrier(group=self._group)
+
+    def split(self, color: int, key: int = 0) -> "TorchDistCommunicator":
+        """This rank's communicator among the ranks passing the same `color` (collective),
+        ranked by (`key`, rank) as MPI_Comm_split.
+
+        new_group is collective over the whole default group, for every group, in one order:
+        so the ranks first exchange their (color, key) and every rank creates every group.
+        """
+        pairs = torch.zeros(2 * self.size, dtype=torch.float64, device=self.device)
+        pairs[2 * self.rank], pairs[2 * self.rank + 1] = float(color), float(key)
+        self.allreduce_mean(pairs)  # one entry per rank: the mean times size is that entry
+        values = (pairs * self.size).round().long().tolist()
+        mine = None
+        for members in split_members([(values[2 * r], values[2 * r + 1]) for r in range(self.size)]):
+            ranks = [self._global(r) for r in members]
+            group = self._dist.new_group(ranks, timeout=timedelta(seconds=self._timeout_s))
+            if self.rank in members:
+                mine = (group, ranks)
+        sub = object.__new__(TorchDistCommunicator)
+        sub._dist, sub.device, sub._timeout_s = self._dist, self.device, self._timeout_s
+        sub._group, sub._members = mine
+        sub._owns_group = False  # destroy_process_group() of the default group ends it
+        sub.rank, sub.size = mine[1].index(self._global(self.rank)), len(mine[1])
+        sub.local_rank = self.local_rank
+        return sub
+
+    def node_color(self) -> int | None:
+        """torchrun's node (GROUP_RANK; with LOCAL_WORLD_SIZE alone, the rank's block of
+        that many ranks, as torchrun numbers them), or None outside torchrun."""
+        if "GROUP_RANK" in os.environ:
+            return int(os.environ["GROUP_RANK"])
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            return self.rank // int(os.environ["LOCAL_WORLD_SIZE"])
+        return None
+
+    def _global(self, rank: int) -> int:
+        """The default group's rank of this group's `rank`."""
+        return rank if self._members is None else self._members[rank]
 
     def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
         """Exit this process at once with `code`; torchrun then ends the other ranks of the job."""
