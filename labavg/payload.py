@@ -103,6 +103,15 @@ def encode(x: torch.Tensor, payload: str, bits: int = 8) -> torch.Tensor:
     return torch.cat([scales.view(torch.uint8), packed])
 
 
+def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`data`'s bytes as `dtype`; copied first where they do not start on its alignment (one
+    rank's part of the gathered bytes, an int4 payload's scales)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if data.storage_offset() % size:
+        data = data.clone()
+    return data.view(dtype)
+
+
 def decode(data: torch.Tensor, n: int, payload: str, bits: int = 8) -> torch.Tensor:
     """The float32 values (a new flat tensor of `n`) that `encode` wrote into `data`."""
     check(payload, bits)
@@ -110,17 +119,17 @@ def decode(data: torch.Tensor, n: int, payload: str, bits: int = 8) -> torch.Ten
         raise ValueError(f"a {payload} payload of {n} values holds "
                          f"{payload_bytes(n, payload, bits)} bytes, got {data.numel()}")
     if payload == "fp32":
-        return data.clone().view(torch.float32)
+        return _view(data.clone(), torch.float32)
     if payload in _FLOATS:
-        return data.view(_FLOATS[payload]).to(torch.float32)
+        return _view(data, _FLOATS[payload]).to(torch.float32)
     chunks = math.ceil(n / CHUNK)
-    scales = data[:4 * chunks].view(torch.float32)
+    scales = _view(data[:4 * chunks], torch.float32)
     packed = data[4 * chunks:]
     if bits == 4:
         nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
         codes = nibbles.to(torch.float32) - 8.0
     else:
-        codes = packed.view(_INTS[bits]).to(torch.float32)
+        codes = _view(packed, _INTS[bits]).to(torch.float32)
     padded = torch.zeros(chunks * CHUNK, dtype=torch.float32, device=data.device)
     padded[:n] = codes
     return (padded.view(chunks, CHUNK) * scales[:, None]).reshape(-1)[:n]
