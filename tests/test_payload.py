@@ -342,8 +342,9 @@ def test_script_rounds_on_torchrun_give_the_inproc_bits(size, tmp_path):
 
 # --- training -----------------------------------------------------------------------------------
 
-# CV frame accuracy on the tiny corpus after one epoch on 3 ranks may fall this far below fp32's
-# (measured: see the test's assertion message; int4 is the farthest).
+# CV frame accuracy on the tiny corpus (120 pdfs; chance about 0.07) after 3 epochs on 3 ranks
+# may fall this far below fp32's 0.258. Measured here: every format within 0.0013 of it (int4
+# the farthest, 0.2592 against 0.2579), so 0.02 leaves room for other CPUs' rounding.
 ACCURACY_TOLERANCE = 0.02
 
 
@@ -351,12 +352,13 @@ def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
     summaries, models = {}, {}
     for payload, bits in (("fp32", 8), *FORMATS):
         name = script.fmt(payload, bits)
-        cfg = small_config(corpus, tmp_path / name, ranks=3, epochs=1, payload=payload,
-                           payload_bits=bits)
+        cfg = small_config(corpus, tmp_path / name, ranks=3, epochs=3, lr=0.2,
+                           payload=payload, payload_bits=bits)
         summaries[name] = run_training(cfg, progress=False)
         models[name] = [final_params(tmp_path / name, r) for r in range(3)]
         assert all(torch.equal(p, models[name][0]) for p in models[name]), name
     fp32 = summaries["fp32"]
+    assert fp32["cv_frame_accuracy"] > 0.2  # it learned: the tolerance is not all of it
     n = fp32["num_params"]
     for payload, bits in (("fp32", 8), *FORMATS):
         name = script.fmt(payload, bits)
