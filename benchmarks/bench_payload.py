@@ -44,14 +44,14 @@ def worker(params: int, reps: int, out: Path) -> None:
     comm = open_communicator("mpi")
     gen = torch.Generator().manual_seed(1 + comm.rank)
     start = torch.randn(params, generator=torch.Generator().manual_seed(0))
-    ranks = {}
+    runs = {}
     for payload, bits in FORMATS:
         flat = start.clone()
-        ranks[name(payload, bits)] = (flat, Averager(flat, comm, payload=payload, bits=bits))
-    seconds = {k: [] for k in ranks}
+        runs[name(payload, bits)] = (flat, Averager(flat, comm, payload=payload, bits=bits))
+    seconds = {k: [] for k in runs}
     sent = {}
     for rep in range(reps + 2):
-        for key, (flat, averager) in ranks.items():
+        for key, (flat, averager) in runs.items():
             flat.add_(torch.randn(params, generator=gen), alpha=1e-3)
             comm.barrier()
             t0 = time.perf_counter()
