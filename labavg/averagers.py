@@ -7,6 +7,8 @@ parameter buffer; a method differs from plain averaging only in `update`, which 
 global model and the new average into the next global model. Every method averages with ONE
 allreduce (`labavg.averaging.average_parameters`), which also leaves non-finite ranks out; the
 run's `reduce` setting picks how that mean is computed (labavg.comm.reduce), for every method.
+With a lossy `payload` (labavg.payload) the average is instead W_g plus the mean of the ranks'
+compressed changes, gathered with one allgather; `update` runs on it the same way.
 
 Notation (the papers'): N workers, W_i(t) worker i's model after block t, W̄(t) their average.
 
@@ -58,6 +60,7 @@ from labavg.comm.base import Communicator
 from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
 from labavg.config import BMUFConfig, DiLoCoConfig, TrainConfig
 from labavg.errors import UserError
+from labavg.payload import average_changes, check as check_payload, lossy, payload_bytes
 
 # The scopes of a round (`due`): the ranks of one node, or every rank.
 NODE, ALL = "node", "all"
@@ -70,23 +73,35 @@ class Averager:
     `restore` the averager keeps the global model the block started from, which every rank
     takes back if all of them diverge at once; without, that case raises FloatingPointError.
     `reduce` is the algorithm that computes the mean (labavg.comm.reduce.ALGORITHMS).
+    `payload` and `bits` what a round sends (labavg.payload); a lossy payload needs the global
+    model (the changes are taken from it) and, with `error_feedback`, keeps this rank's
+    compression residual, which differs between ranks and is checkpointed with each rank.
     """
 
     method: ClassVar[str] = "model"
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
-                 restore: bool = True, reduce: str = "allreduce") -> None:
+                 restore: bool = True, reduce: str = "allreduce", payload: str = "fp32",
+                 bits: int = 8, error_feedback: bool = True) -> None:
         if every < 1:
             raise ValueError(f"the averaging interval must be >= 1, got {every}")
         if reduce not in REDUCE_ALGORITHMS:
             raise ValueError(f"unknown reduce algorithm {reduce!r}; known: "
                              f"{', '.join(REDUCE_ALGORITHMS)}")
+        check_payload(payload, bits)
+        if lossy(payload) and reduce != "allreduce":
+            raise ValueError(f"payload {payload!r} is gathered, not reduced: it cannot use "
+                             f"reduce {reduce!r}")
         self.comm = comm
         self.every = every
         self.reduce = reduce
-        self.restore = restore or self.keeps_global
+        self.payload, self.bits = payload, bits
+        self.restore = restore or self.keeps_global or lossy(payload)
         # The global model the current block started from (W_g(t-1) above).
         self.global_model = flat.clone() if self.restore else None
+        # This rank's error-feedback residual e_i (labavg.payload).
+        self.residual = (torch.zeros_like(flat) if lossy(payload) and error_feedback
+                         else None)
 
     # What a subclass changes ------------------------------------------------------------------
 
@@ -117,8 +132,12 @@ class Averager:
         `comm_seconds` of the result covers the whole round, the outer update included.
         """
         start = time.perf_counter()
-        stats = average_parameters(flat, self.comm, stop=stop, fallback=self.global_model,
-                                   reduce=self.reduce)
+        if lossy(self.payload):
+            stats = average_changes(flat, self.comm, self.global_model, self.residual,
+                                    self.payload, self.bits, stop=stop)
+        else:
+            stats = average_parameters(flat, self.comm, stop=stop, fallback=self.global_model,
+                                       reduce=self.reduce)
         # When every rank diverged there is no average: all restart from the old global model
         # and the outer state stays as it was, as if the block had not happened.
         if stats.dropped < self.comm.size and self.keeps_global:
@@ -129,11 +148,22 @@ class Averager:
             self.global_model.copy_(flat)
         return dataclasses.replace(stats, comm_seconds=time.perf_counter() - start)
 
+    def bytes_per_round(self, flat: torch.Tensor) -> int:
+        """What `round` puts into the collective from this rank (0 with one rank)."""
+        if self.comm.size == 1:
+            return 0
+        if lossy(self.payload):
+            return payload_bytes(flat.numel(), self.payload, self.bits)
+        return flat.numel() * flat.element_size()
+
     def restart(self, flat: torch.Tensor) -> None:
         """Start the next block from `flat` (Newbob's rolled-back model) with a fresh outer
-        optimizer: the momentum of a rejected epoch points the way Newbob just refused."""
+        optimizer: the momentum of a rejected epoch points the way Newbob just refused, and
+        the residual holds what compression dropped of the rejected changes."""
         if self.global_model is not None:
             self.global_model.copy_(flat)
+        if self.residual is not None:
+            self.residual.zero_()
         self.reset()
 
     # Checkpoints ------------------------------------------------------------------------------
@@ -145,7 +175,13 @@ class Averager:
         model; so the global model itself is not saved again, only the outer optimizer's state.
         """
         return {"method": self.method,
-                **{k: v.detach().cpu().clone() for k, v in self.outer_state().items()}}
+                **{k: v.detach().cpu().clone() for k, v in self._state().items()}}
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        state = dict(self.outer_state())
+        if self.residual is not None:
+            state["residual"] = self.residual
+        return state
 
     def load_state_dict(self, state: dict[str, Any] | None, flat: torch.Tensor) -> None:
         """Continue from a checkpoint whose parameters `flat` has just been loaded.
@@ -158,7 +194,11 @@ class Averager:
                              f"this run uses {self.method!r}")
         if self.global_model is not None:
             self.global_model.copy_(flat)
-        for name, tensor in self.outer_state().items():
+        for name, tensor in self._state().items():
+            if name == "residual" and (state is None or name not in state):
+                # A checkpoint of an fp32 run (or one without error feedback): nothing dropped.
+                tensor.zero_()
+                continue
             saved = state[name]
             if saved.shape != tensor.shape:
                 raise ValueError(f"the checkpoint's averager state {name} holds {saved.numel()} "
@@ -174,8 +214,8 @@ class BMUFAverager(Averager):
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
                  restore: bool = True, config: BMUFConfig | None = None,
-                 reduce: str = "allreduce") -> None:
-        super().__init__(flat, comm, every, restore, reduce)
+                 reduce: str = "allreduce", **payload: Any) -> None:
+        super().__init__(flat, comm, every, restore, reduce, **payload)
         config = config or BMUFConfig()
         self.eta, self.zeta, self.nesterov = config.momentum, config.block_lr, config.nesterov
         self.delta = torch.zeros_like(flat)  # Δ(t-1), the same on every rank
@@ -210,8 +250,8 @@ class DiLoCoAverager(Averager):
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
                  restore: bool = True, config: DiLoCoConfig | None = None,
-                 reduce: str = "allreduce") -> None:
-        super().__init__(flat, comm, every, restore, reduce)
+                 reduce: str = "allreduce", **payload: Any) -> None:
+        super().__init__(flat, comm, every, restore, reduce, **payload)
         config = config or DiLoCoConfig()
         self.alpha, self.mu, self.nesterov = config.outer_lr, config.momentum, config.nesterov
         self.momentum = torch.zeros_like(flat)  # m(t-1), the same on every rank
@@ -258,6 +298,8 @@ class HierarchicalAverager:
         self.inner, self.node, self.every_all = inner, node, every_all
         self.method, self.reduce, self.every, self.comm = (
             inner.method, inner.reduce, inner.every, inner.comm)
+        # The payload is that of the rounds across nodes; node rounds send fp32 (shared memory).
+        self.payload, self.bits = inner.payload, inner.bits
         self.node_model = inner.global_model.clone() if inner.global_model is not None else None
         self._stop = False
 
@@ -284,6 +326,10 @@ class HierarchicalAverager:
         if self.node_model is not None:
             self.node_model.copy_(flat)
         return stats
+
+    def bytes_per_round(self, flat: torch.Tensor) -> int:
+        """What a round across all ranks puts into its collective from this rank."""
+        return self.inner.bytes_per_round(flat)
 
     def restart(self, flat: torch.Tensor) -> None:
         """As Averager.restart (Newbob's rollback comes after an all round)."""
@@ -329,16 +375,19 @@ AVERAGERS: dict[str, type[Averager]] = {
 
 def make_averager(cfg: TrainConfig, flat: torch.Tensor,
                   comm: Communicator) -> Averager | HierarchicalAverager:
-    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`;
-    inside a HierarchicalAverager when `hierarchy.every` > 0 (collective then: it splits
-    `comm` into nodes)."""
+    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`,
+    the payload (`cfg.payload`, `cfg.payload_bits`, `cfg.error_feedback`); inside a
+    HierarchicalAverager when `hierarchy.every` > 0 (collective then: it splits `comm` into
+    nodes)."""
     every, reduce = cfg.averaging_interval(), cfg.reduce
+    payload = {"payload": cfg.payload, "bits": cfg.payload_bits,
+               "error_feedback": cfg.error_feedback}
     if cfg.averaging == "bmuf":
-        averager = BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce)
+        averager = BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce, **payload)
     elif cfg.averaging == "diloco":
-        averager = DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce)
+        averager = DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce, **payload)
     elif cfg.averaging == "model":
-        averager = Averager(flat, comm, every, reduce=reduce)
+        averager = Averager(flat, comm, every, reduce=reduce, **payload)
     else:
         raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: "
                          f"{', '.join(AVERAGERS)}")

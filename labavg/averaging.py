@@ -44,8 +44,9 @@ class AverageStats:
     not finite and were left out of the mean (they take the average like everyone else);
     `finite` says whether this rank was one of them. `stop` is True when any rank asked to stop.
     `bytes_sent` is the size of the parameter buffer this rank put into the round's allreduce
-    (4 x parameters in float32; 0 when nothing was averaged), not counting the 16-byte control
-    exchange: what a reduce algorithm puts on the wire is a multiple of it.
+    (4 x parameters in float32; 0 when nothing was averaged), or of its compressed change with
+    a lossy payload (labavg.payload.payload_bytes), not counting the 16-byte control exchange:
+    what a reduce algorithm or the allgather puts on the wire is a multiple of it.
     """
 
     divergence: float
@@ -54,6 +55,15 @@ class AverageStats:
     dropped: int = 0
     stop: bool = False
     bytes_sent: int = 0
+
+
+def agree(flat: torch.Tensor, comm: Communicator, stop: bool = False) -> tuple[bool, int, bool]:
+    """(this rank's parameters are finite, how many ranks' are not, whether any wants to stop):
+    the two numbers every round exchanges first, with the backend's own allreduce."""
+    finite = bool(torch.isfinite(flat).all())
+    control = torch.tensor([0.0 if finite else 1.0, 1.0 if stop else 0.0], dtype=torch.float64)
+    comm.allreduce_mean(control)
+    return finite, round(control[0].item() * comm.size), control[1].item() > 0
 
 
 def average_parameters(
@@ -78,11 +88,7 @@ def average_parameters(
     wait on the algorithm it guards.
     """
     start = time.perf_counter()
-    finite = bool(torch.isfinite(flat).all())
-    control = torch.tensor([0.0 if finite else 1.0, 1.0 if stop else 0.0], dtype=torch.float64)
-    comm.allreduce_mean(control)
-    dropped = round(control[0].item() * comm.size)
-    agreed_stop = control[1].item() > 0
+    finite, dropped, agreed_stop = agree(flat, comm, stop)
     if dropped == comm.size:
         if fallback is None:
             raise FloatingPointError("the parameters of every rank are non-finite")

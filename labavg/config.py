@@ -40,6 +40,10 @@ NEWBOB_CRITERIA = ("loss", "frame_accuracy")
 AVERAGING = ("model", "bmuf", "diloco")
 # How the ranks compute the mean of their parameters (labavg.comm.reduce, docs/averaging.md).
 REDUCE = ("allreduce", "butterfly", "ring")
+# What a round sends (labavg.payload, docs/averaging.md): the fp32 parameters (the paper), or
+# their change since the last round in 16 bits or as integer codes of PAYLOAD_BITS bits.
+PAYLOADS = ("fp32", "bf16", "fp16", "int")
+PAYLOAD_BITS = (4, 8, 16)
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -60,6 +64,9 @@ _BYTES_PER_PARAMETER = 4 * 4
 # What an averaging method keeps besides: its outer optimizer's state (BMUF's filtered update,
 # DiLoCo's momentum) and the block's update computed in each round.
 _AVERAGER_BYTES_PER_PARAMETER = {"model": 0, "bmuf": 2 * 4, "diloco": 2 * 4}
+# A lossy payload keeps the error-feedback residual and the delta (float32), its own encoding
+# and the decoded sum: about 12 bytes more per parameter, not counting the gathered payloads.
+_PAYLOAD_BYTES_PER_PARAMETER = 3 * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +377,15 @@ class TrainConfig:
     reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
                           "collective; butterfly: recursive halving and doubling; ring)",
                           _choice(REDUCE), flag="--reduce")
+    payload: str = setting("fp32", "what a round sends (fp32: the parameters; bf16, fp16, int: "
+                           "their change since the last round, compressed)", _choice(PAYLOADS),
+                           flag="--payload")
+    payload_bits: int = setting(8, "bits per value of payload = int (4, 8 or 16)",
+                                _Rule(lambda v: v in PAYLOAD_BITS, "4, 8 or 16 (the quantisation "
+                                      "bits of payload = int)"),
+                                flag="--payload-bits")
+    error_feedback: bool = setting(True, "a lossy payload adds each rank's compression error to "
+                                   "its next round's change (1-bit SGD, EF-SGD)")
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
@@ -510,6 +526,10 @@ def _cross_checks(cls: type, v: Mapping[str, Any], prefix: str) -> str | None:
                                      else None)
         if problem is not None:
             return problem
+    if cls is TrainConfig and v["payload"] != "fp32" and v["reduce"] != "allreduce":
+        # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
+        return (f"payload = {v['payload']!r} gathers the ranks' compressed changes and cannot "
+                f"use reduce = {v['reduce']!r} (set reduce = \"allreduce\" or payload = \"fp32\")")
     if cls is TrainConfig and v["data"].buffer_frames < v["minibatch"]:
         # FrameBatches needs a whole minibatch in its buffer.
         return (f"data.buffer_frames ({v['data'].buffer_frames}) must be at least the minibatch "
@@ -789,6 +809,8 @@ def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
     widths = input_dim + 2 * m.hidden_layers * m.hidden_dim + num_pdfs
     buffer = max(cfg.data.buffer_frames, cfg.minibatch, cfg.rbm.minibatch_size) * input_dim * 4
     per_parameter = _BYTES_PER_PARAMETER + _AVERAGER_BYTES_PER_PARAMETER.get(cfg.averaging, 0)
+    if cfg.payload != "fp32":
+        per_parameter += _PAYLOAD_BYTES_PER_PARAMETER
     per_worker = params * per_parameter + buffer + 2 * 4 * cfg.minibatch * widths
     return per_worker * (cfg.ranks if cfg.backend == "inproc" else 1)
 

@@ -44,7 +44,8 @@ class RunStarted(Event):
     start_step: int
     averaging: str = "model"  # the averaging method (labavg.averagers)
     reduce: str = "allreduce"  # the algorithm computing the mean (labavg.comm.reduce)
-    bytes_per_round: int = 0  # of the parameter buffer each rank allreduces per round
+    payload: str = "fp32"  # what a round sends: fp32, bf16, fp16, int4, int8, int16
+    bytes_per_round: int = 0  # what each rank puts into a round's collective across all ranks
     hierarchy_every: int = 0  # K2, minibatches between rounds across nodes (0: no hierarchy)
     node_ranks: int = 0  # ranks in this rank's node (0: no hierarchy)
 
@@ -75,7 +76,7 @@ class Averaged(Event):
     compute_seconds: float  # since the previous round
     comm_seconds: float
     frames_per_second: float  # this rank's training frames / compute seconds in the round
-    bytes_sent: int = 0  # the parameter buffer this rank put into the round's allreduce
+    bytes_sent: int = 0  # the parameter buffer (or compressed change) this rank sent this round
     scope: str = "all"  # "node": among this rank's node only ([hierarchy]); "all": every rank
 
 

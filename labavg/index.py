@@ -23,11 +23,11 @@ CONFIG = "config.json"
 
 # Settings that may differ between runs that are still "the same configuration" for speedup.
 # K is among them: the baseline has one rank, whose averaging is a no-op, so a 1-rank run
-# with any K is the baseline of every K; likewise for the reduce algorithm, which a 1-rank run
-# never runs.
+# with any K is the baseline of every K; likewise for the reduce algorithm and the payload,
+# which a 1-rank run never sends.
 PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
                  "tensorboard", "watchdog_seconds", "average_every", "average_every_frames",
-                 "reduce", "hierarchy")
+                 "reduce", "hierarchy", "payload", "payload_bits", "error_feedback")
 
 
 class EventTail:

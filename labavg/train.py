@@ -149,7 +149,7 @@ class Progress:
 
     step: int = 0  # minibatches done since the start of the run
     rounds: int = 0  # averaging rounds done
-    bytes_sent: int = 0  # parameter bytes this rank put into the rounds' allreduces
+    bytes_sent: int = 0  # parameter (or payload) bytes this rank put into the rounds' collectives
     node_rounds: int = 0  # of `rounds`, those within the node only ([hierarchy])
     node_bytes_sent: int = 0  # of `bytes_sent`, those of the node rounds
     compute_seconds: float = 0.0
@@ -256,7 +256,8 @@ def train_rank(
         steps_per_epoch=num_steps, train_utterances=len(train_keys), cv_utterances=len(cv_keys),
         average_every=K, effective_lr=lr0, start_step=progress.step, averaging=averager.method,
         reduce=averager.reduce,
-        bytes_per_round=flat.numel() * flat.element_size() if size > 1 else 0,
+        payload=averager.payload if averager.payload != "int" else f"int{averager.bits}",
+        bytes_per_round=averager.bytes_per_round(flat),
         hierarchy_every=cfg.hierarchy.every,
         node_ranks=averager.node.size if cfg.hierarchy.every else 0,
     )

@@ -226,6 +226,9 @@ class WatchedCommunicator:
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         self._call("broadcast", self._comm.broadcast, buf, root)
 
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self._call("allgather", self._comm.allgather, send, recv)
+
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:
         # One reduce algorithm's step: a wait on a peer like a collective's.

@@ -248,6 +248,25 @@ def test_events_and_summary_count_each_scope(corpus, tmp_path):
     assert (summary["hierarchy_every"], summary["node_ranks"]) == (6, 2)
 
 
+def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp_path):
+    from labavg.payload import payload_bytes
+
+    out = tmp_path / "run"
+    proc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--out", str(out),
+                "--averaging", "bmuf", "--payload", "int", "--payload-bits", "8",
+                "--set", "hierarchy.every=6", "--set", "hierarchy.node_size=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(out)
+    n = summary["num_params"]
+    assert summary["payload"] == "int8"
+    assert summary["bytes_per_round"] == payload_bytes(n, "int", 8) < 4 * n
+    assert summary["node_bytes_sent"] == summary["node_rounds"] * 4 * n > 0
+    assert summary["all_bytes_sent"] == summary["all_rounds"] * summary["bytes_per_round"]
+    params = [final_params(out, rank) for rank in range(4)]
+    assert all(torch.equal(p, params[0]) for p in params)  # the last round is across all ranks
+    assert 0.0 < summary["cv_frame_accuracy"] <= 1.0
+
+
 # --- bad settings ---------------------------------------------------------------------------
 
 

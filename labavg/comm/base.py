@@ -24,6 +24,13 @@ class Communicator(Protocol):
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
 
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Fill `recv` (size x len(send)) on every rank with every rank's `send`, in rank order.
+
+        Unlike the other collectives the buffers may also be uint8 (compressed payloads); every
+        rank must send the same length.
+        """
+
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:
         """Send `send` to rank `dst` while receiving rank `src`'s message into `recv`.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
+# An allgather also carries bytes: the compressed payloads of labavg.payload.
+_GATHER_DTYPES = (torch.uint8, *_FLOAT_DTYPES)
 
 
 def check_buffer(buf: torch.Tensor) -> None:
@@ -22,6 +24,24 @@ def check_buffer(buf: torch.Tensor) -> None:
             f"collective buffer must be flat (1-D) and contiguous, got shape {tuple(buf.shape)}"
             f" contiguous={buf.is_contiguous()}"
         )
+
+
+def check_gather(send: torch.Tensor, recv: torch.Tensor, size: int) -> None:
+    """Raise TypeError/ValueError unless `send` and `recv` are flat contiguous tensors of one
+    dtype (uint8, float32 or float64) and `recv` holds `size` times `send`."""
+    for name, buf in (("send", send), ("recv", recv)):
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"allgather {name} buffer must be a torch.Tensor, got "
+                            f"{type(buf).__name__}")
+        if buf.dtype not in _GATHER_DTYPES:
+            raise TypeError(f"allgather {name} buffer must be uint8, float32 or float64, got "
+                            f"{buf.dtype}")
+        if buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(f"allgather {name} buffer must be flat (1-D) and contiguous, got "
+                             f"shape {tuple(buf.shape)} contiguous={buf.is_contiguous()}")
+    if recv.dtype != send.dtype or recv.numel() != size * send.numel():
+        raise ValueError(f"allgather of {send.numel()} x {send.dtype} from {size} ranks needs "
+                         f"{size * send.numel()} x {send.dtype}, got {recv.numel()} x {recv.dtype}")
 
 
 def check_root(root: int, size: int) -> None:

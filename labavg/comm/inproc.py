@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_peer, check_root, split_members
+from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root, split_members
 
 # Seconds between a waiting receiver's checks for an abort, a departed sender, the watchdog.
 _POLL_S = 0.1
@@ -120,6 +120,8 @@ def _combine(calls: list[_Call]) -> torch.Tensor | None:
     if first.op == "allreduce_mean":
         # Same in-place division as the MPI and torch backends, so the results agree bitwise.
         return tree_sum([call.buf for call in calls]).div_(len(calls))
+    if first.op == "allgather":
+        return torch.cat([call.buf for call in calls])
     if first.op == "broadcast":
         # A copy, because the root may change its buffer before the others have read it.
         return calls[first.root].buf.clone()
@@ -316,6 +318,14 @@ class InProcCommunicator:
         value = self.group.rendezvous(self.rank, _Call("broadcast", buf, root))
         if self.rank != root:
             buf.copy_(value)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Fill `recv` with every rank's `send`, in rank order."""
+        check_gather(send, recv, self.size)
+        if self.size == 1:
+            recv.copy_(send)
+            return
+        recv.copy_(self.group.rendezvous(self.rank, _Call("allgather", send)))
 
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:

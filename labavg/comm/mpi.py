@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_peer, check_root
+from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root
 
 # The reduce algorithms' messages; collectives travel in a context of their own whatever the tag.
 _P2P_TAG = 17
@@ -66,6 +66,17 @@ class MpiCommunicator:
             return
         with self._exposed(buf, writes_back=self.rank != root) as view:
             self._comm.Bcast(view, root=root)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Fill `recv` with every rank's `send`, in rank order (MPI_Allgather)."""
+        check_gather(send, recv, self.size)
+        if self.size == 1:
+            recv.copy_(send)
+            return
+        out = self._p2p_view(send, writes_back=False)
+        into = self._p2p_view(recv, writes_back=True)
+        self._comm.Allgather(out.view, into.view)
+        into.__exit__(None, None, None)
 
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from labavg.comm.buffers import check_buffer, check_peer, check_root, split_members
+from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root, split_members
 
 DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -64,6 +64,14 @@ class TorchDistCommunicator:
         check_root(root, self.size)
         if self.size > 1:
             self._dist.broadcast(buf, src=self._global(root), group=self._group)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Fill `recv` with every rank's `send`, in rank order (all_gather_into_tensor)."""
+        check_gather(send, recv, self.size)
+        if self.size == 1:
+            recv.copy_(send)
+            return
+        self._dist.all_gather_into_tensor(recv, send)
 
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:
