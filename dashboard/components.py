@@ -399,16 +399,19 @@ _MARKERS = ("circle", "triangle", "square", "diamond", "inverted_triangle", "hex
 
 def communication_plot(points: list[dict[str, Any]]) -> hv.Layout:
     """CV frame accuracy and WER of the finished multi-rank runs against the megabytes each
-    rank sent (log scale): one colour per averaging method, one marker per number of ranks."""
-    frame = pd.DataFrame(points, columns=["method", "ranks", "K", "mb_sent", "cv_acc_pct",
-                                          "wer_pct", "run"])
-    methods = sorted(set(frame["method"]))
+    rank sent (log scale): one colour per averaging method and payload, one marker per number
+    of ranks."""
+    frame = pd.DataFrame(points, columns=["method", "payload", "ranks", "K", "mb_sent",
+                                          "cv_acc_pct", "wer_pct", "run"])
+    frame["payload"] = frame["payload"].fillna("fp32")
+    frame["sends"] = frame["method"] + frame["payload"].map(lambda p: "" if p == "fp32" else f" {p}")
+    kinds = sorted(set(frame["sends"]))
     ranks = sorted(set(frame["ranks"]))
     acc, wer = [], []
-    for (method, n), group in frame.groupby(["method", "ranks"], sort=True):
-        style = {"color": _PALETTE[methods.index(method) % len(_PALETTE)],
+    for (sends, n), group in frame.groupby(["sends", "ranks"], sort=True):
+        style = {"color": _PALETTE[kinds.index(sends) % len(_PALETTE)],
                  "marker": _MARKERS[ranks.index(n) % len(_MARKERS)], "size": 9, "tools": ["hover"]}
-        label = f"{method}, {n} ranks"
+        label = f"{sends}, {n} ranks"
         acc.append(hv.Scatter(group, "mb_sent", ["cv_acc_pct", "K", "run"], label=label).opts(**style))
         decoded = group.dropna(subset=["wer_pct"])
         if len(decoded):
@@ -569,9 +572,9 @@ class RunsView(pn.viewable.Viewer):
         self.scaling_note.object = note
 
 
-SETTINGS_ORDER = ("backend", "ranks", "average_every", "averaging", "momentum", "reduce", "lr",
-                  "final_lr", "schedule", "optimizer", "pretrain", "epochs", "minibatch", "context",
-                  "hidden_layers", "hidden_dim")
+SETTINGS_ORDER = ("backend", "ranks", "average_every", "averaging", "momentum", "reduce",
+                  "payload", "payload_bits", "lr", "final_lr", "schedule", "optimizer", "pretrain",
+                  "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
 _ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
 # Markdown's paragraph margins would leave a blank line under every message.
 _ERROR_SHEET = ["p { margin: 0; }"]
@@ -599,6 +602,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
         widgets={
             "ranks": number, "average_every": number, "minibatch": number, "epochs": number,
             "momentum": {"type": pn.widgets.FloatInput, "step": 0.05, "format": "0.[0000]"},
+            "payload_bits": number,
             "hidden_layers": number, "hidden_dim": number, "context": number,
             "lr": {"type": pn.widgets.FloatInput, "step": 0.001, "format": "0.[00000]"},
             "final_lr": {"type": pn.widgets.FloatInput, "step": 0.0001, "format": "0.[000000]",
@@ -624,11 +628,13 @@ def settings_panel(settings: RunSettings) -> pn.Column:
     settings.param.watch(lambda e: show(e.new), "errors")
     show(settings.errors)
 
-    def enable_momentum(*_: Any) -> None:
-        widgets["momentum"].disabled = settings.key_of("momentum") is None
+    def enable(*_: Any) -> None:
+        # A box the chosen method or payload has no use for is greyed out, not hidden.
+        for name in ("momentum", "payload_bits"):
+            widgets[name].disabled = settings.key_of(name) is None
 
-    settings.param.watch(enable_momentum, "averaging")
-    enable_momentum()
+    settings.param.watch(enable, ["averaging", "payload"])
+    enable()
 
     def cell(name: str) -> pn.Column:
         widgets[name].param.update(sizing_mode="stretch_width", margin=(2, 5))

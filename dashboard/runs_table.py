@@ -22,7 +22,7 @@ from labavg.index import (
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
 TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
-                 "efficiency", "status", "cv_loss", "mb_sent", "optimizer", "model", "wall_s",
+                 "efficiency", "status", "cv_loss", "mb_sent", "payload", "optimizer", "model", "wall_s",
                  "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
                 "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
@@ -38,7 +38,7 @@ def _table_row(row: dict[str, Any]) -> dict[str, Any]:
     return {
         "run": row["run"], "status": row["status"], "backend": row["backend"],
         "ranks": row["ranks"], "K": row["average_every"], "method": row["averaging"],
-        "reduce": row["reduce"], "optimizer": row["optimizer"],
+        "reduce": row["reduce"], "payload": row["payload"], "optimizer": row["optimizer"],
         "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
         "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
         "wer_pct": row["wer"], "per_pct": row["per"],
@@ -126,7 +126,8 @@ class RunTable(param.Parameterized):
     def communication(self) -> list[dict[str, Any]]:
         """(method, ranks, K, MB sent per rank, CV accuracy %, WER %, run) of the finished
         multi-rank runs: what each bought with the bytes it sent."""
-        return [{"method": r["method"], "ranks": r["ranks"], "K": r["K"], "mb_sent": r["mb_sent"],
+        return [{"method": r["method"], "payload": r["payload"], "ranks": r["ranks"], "K": r["K"],
+                 "mb_sent": r["mb_sent"],
                  "cv_acc_pct": r["cv_acc_pct"], "wer_pct": r["wer_pct"], "run": r["run"]}
                 for r in self.rows
                 if r["status"] == "finished" and r["ranks"] and r["ranks"] > 1 and r["mb_sent"]]

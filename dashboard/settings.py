@@ -93,6 +93,8 @@ class RunSettings(param.Parameterized):
     averaging = control("averaging", "averaging method")
     momentum = control("bmuf.momentum", "method momentum")
     reduce = control("reduce", "reduce algorithm")
+    payload = control("payload", "payload")
+    payload_bits = control("payload_bits", "payload bits (int)")
     lr = control("lr", "learning rate")
     final_lr = control("final_lr", "final lr")
     schedule = control("schedule", "schedule")
@@ -131,6 +133,8 @@ class RunSettings(param.Parameterized):
         """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""
         if name == "momentum":
             return METHOD_MOMENTUM.get(self.averaging)
+        if name == "payload_bits" and self.payload != "int":
+            return None  # only integer codes have a number of bits
         return CONTROLS[name]
 
     def _values(self, out: str | Path) -> dict[str, Any]:

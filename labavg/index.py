@@ -120,6 +120,12 @@ def effective_k(config: dict[str, Any]) -> int | None:
     return config.get("average_every")
 
 
+def _payload_name(config: dict[str, Any]) -> str:
+    """What a run's rounds send, as summary.json names it: fp32, bf16, fp16, int4/8/16."""
+    payload = config.get("payload", "fp32")
+    return f"int{config.get('payload_bits', 8)}" if payload == "int" else payload
+
+
 def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -> dict[str, Any]:
     """The row every table of runs is cut from: settings from the config, results from the summary.
 
@@ -136,6 +142,7 @@ def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -
         "average_every": s.get("average_every", effective_k(config)),
         "averaging": s.get("averaging", config.get("averaging", "model")),
         "reduce": s.get("reduce", config.get("reduce", "allreduce")),
+        "payload": s.get("payload") or _payload_name(config),
         "optimizer": config.get("optimizer"), "lr": config.get("lr"),
         "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
         "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),

@@ -439,6 +439,8 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     if any(r["reduce"] not in (None, "allreduce") for r in rows):
         # Only then: the column would repeat the default in every table of plain runs.
         cols.insert(cols.index(("method", "averaging")) + 1, ("reduce", "reduce"))
+    if any(r["payload"] not in (None, "fp32") for r in rows):
+        cols.insert(cols.index(("method", "averaging")) + 1, ("payload", "payload"))
 
     def cell(key: str, row: dict[str, Any]) -> str:
         value = row[key]

@@ -42,7 +42,7 @@ from labavg.index import SUMMARY, summary_row
 from labavg.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
                          run_dir_lock)
 
-COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "optimizer", "pretrain",
+COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer", "pretrain",
            "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",
            "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds", "bytes_sent", "speedup",
            "parallel_efficiency")

@@ -194,6 +194,17 @@ def test_the_momentum_box_sets_the_chosen_methods_momentum(corpus, tmp_path):
     assert settings.to_config(tmp_path / "r").bmuf.momentum == TrainConfig().bmuf.momentum
 
 
+def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path, payload="bf16", payload_bits=5)
+    assert settings.errors == {} and settings.key_of("payload_bits") is None  # bf16 has no bits
+    assert settings.to_config(tmp_path / "r").payload_bits == TrainConfig().payload_bits
+    settings.payload = "int"
+    assert settings.errors == {"payload_bits": _cli_words("payload_bits", 5)}
+    settings.payload_bits = 4
+    cfg = settings.to_config(tmp_path / "r")
+    assert (cfg.payload, cfg.payload_bits) == ("int", 4)
+
+
 def test_live_run_fills_every_ranks_buffers(finished_runs):
     _, (_, three) = finished_runs
     buffers = three.buffers

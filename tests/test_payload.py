@@ -460,3 +460,20 @@ def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("labavg: error: ") and named in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
+    from labavg.index import run_row
+    from labavg.runs import format_table
+    from labavg.sweep import COLUMNS
+
+    config = {"ranks": 4, "averaging": "model", "payload": "int", "payload_bits": 4}
+    assert run_row("r", config, None)["payload"] == "int4"  # from the config while it trains
+    assert run_row("r", {"ranks": 4}, {"payload": "bf16"})["payload"] == "bf16"
+    assert run_row("old", {"ranks": 4}, None)["payload"] == "fp32"  # before payloads existed
+    plain = {"run": "a", "ranks": 2, "averaging": "model", "payload": "fp32", "config": {}}
+    header = format_table([plain]).splitlines()[0]
+    assert "payload" not in header
+    table = format_table([plain, {**plain, "run": "b", "payload": "int8"}])
+    assert "| payload |" in table.splitlines()[0] and "| int8 |" in table
+    assert "payload" in COLUMNS
