@@ -198,7 +198,13 @@ def describe_config(cfg: dict[str, Any]) -> str:
     final = cfg.get("final_lr")
     lr = f"lr {cfg.get('lr'):g}" + (f"→{final:g}" if final is not None else "")
     backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.get("backend"), cfg.get("backend"))
-    return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · "
+    method = cfg.get("averaging", "model")
+    payload = cfg.get("payload", "fp32")
+    # Said only when not the paper's: plain averaging of fp32 parameters.
+    averaging = (f"{method} · " if method != "model" else "") + (
+        f"{payload}{cfg.get('payload_bits', 8) if payload == 'int' else ''} payload · "
+        if payload != "fp32" else "")
+    return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · {averaging}"
             f"{cfg.get('optimizer')} {lr} ({cfg.get('schedule')}) · pretrain {cfg.get('pretrain')} · "
             f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epoch{'' if cfg.get('epochs') == 1 else 's'} · "
             f"{model.get('hidden_layers')}×{model.get('hidden_dim')} · data {Path(str(data.get('data'))).name}")

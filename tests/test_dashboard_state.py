@@ -203,6 +203,11 @@ def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
     settings.payload_bits = 4
     cfg = settings.to_config(tmp_path / "r")
     assert (cfg.payload, cfg.payload_bits) == ("int", 4)
+    from labavg.config import to_dict
+
+    line = describe_config({**to_dict(cfg), "averaging": "bmuf"})
+    assert "K=10 · bmuf · int4 payload · ngsgd" in line.replace(f"K={cfg.average_every}", "K=10")
+    assert "payload" not in describe_config(to_dict(TrainConfig()))  # the paper's: not said
 
 
 def test_live_run_fills_every_ranks_buffers(finished_runs):
