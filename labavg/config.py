@@ -40,6 +40,8 @@ NEWBOB_CRITERIA = ("loss", "frame_accuracy")
 AVERAGING = ("model", "bmuf", "diloco")
 # How the ranks compute the mean of their parameters (labavg.comm.reduce, docs/averaging.md).
 REDUCE = ("allreduce", "butterfly", "ring")
+# Whether a round's mean runs while the next minibatches compute (labavg.overlap).
+OVERLAP = ("none", "eager", "streaming")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -370,6 +372,12 @@ class TrainConfig:
     reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
                           "collective; butterfly: recursive halving and doubling; ring)",
                           _choice(REDUCE), flag="--reduce")
+    overlap: str = setting("none", "hide the round's mean behind the next K minibatches (eager: "
+                           "one round late, the whole model; streaming: one fragment per round)",
+                           _choice(OVERLAP), flag="--overlap")
+    streaming_fragments: int = setting(4, "overlap = streaming: contiguous fragments of the "
+                                       "model (whole parameter tensors), one synced per round",
+                                       _POSITIVE)
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
@@ -510,6 +518,10 @@ def _cross_checks(cls: type, v: Mapping[str, Any], prefix: str) -> str | None:
                                      else None)
         if problem is not None:
             return problem
+    if cls is TrainConfig and v["overlap"] != "none":
+        problem = _overlap_problem(v)
+        if problem is not None:
+            return problem
     if cls is TrainConfig and v["data"].buffer_frames < v["minibatch"]:
         # FrameBatches needs a whole minibatch in its buffer.
         return (f"data.buffer_frames ({v['data'].buffer_frames}) must be at least the minibatch "
@@ -533,6 +545,21 @@ def _hierarchy_problem(v: Mapping[str, Any], size: int | None) -> str | None:
                 "hierarchy.node_size")
     if size is not None and h.node_size > 0 and size % h.node_size:
         return f"hierarchy.node_size = {h.node_size} does not divide the {size} ranks"
+    return None
+
+
+def _overlap_problem(v: Mapping[str, Any]) -> str | None:
+    """What `overlap` does not combine with (labavg.overlap, docs/averaging.md "Overlap")."""
+    mode = v["overlap"]
+    if v["hierarchy"].every > 0:
+        return f"overlap = {mode} does not combine with hierarchy.every > 0 yet"
+    if v["reduce"] != "allreduce":
+        return (f"overlap = {mode} needs reduce = allreduce (the backend's non-blocking "
+                f"collective); reduce = {v['reduce']} is a blocking exchange")
+    tensors = 2 * (v["model"].hidden_layers + 1)  # a weight and a bias per affine layer
+    if mode == "streaming" and v["streaming_fragments"] > tensors:
+        return (f"streaming_fragments = {v['streaming_fragments']} exceeds the {tensors} "
+                f"parameter tensors of a model with {v['model'].hidden_layers} hidden layers")
     return None
 
 
