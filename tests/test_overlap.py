@@ -276,8 +276,8 @@ def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, 
     _, blocking = _run(corpus, tmp_path / "blocking")
     cfg, summary = _run(corpus, tmp_path / overlap, overlap=overlap,
                         streaming_fragments=fragments)
-    # Measured here: 0.3x-0.4x CV frame accuracy on the tiny corpus; the delayed rounds may
-    # cost a little, not more than 3 points.
+    # Measured here: 0.071 CV frame accuracy for none, eager and streaming (2 epochs of the
+    # tiny corpus); a delayed round may cost a little, the test allows 3 points.
     assert abs(summary["cv_frame_accuracy"] - blocking["cv_frame_accuracy"]) <= 0.03
     for rank in range(1, cfg.ranks):  # every epoch ends with the same model on every rank
         assert torch.equal(final_params(tmp_path / overlap, rank), final_params(tmp_path / overlap))
