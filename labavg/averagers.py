@@ -373,12 +373,17 @@ AVERAGERS: dict[str, type[Averager]] = {
     cls.method: cls for cls in (Averager, BMUFAverager, DiLoCoAverager)}
 
 
-def make_averager(cfg: TrainConfig, flat: torch.Tensor,
-                  comm: Communicator) -> Averager | HierarchicalAverager:
+def make_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator,
+                  sizes: list[int] | None = None) -> Averager | HierarchicalAverager:
     """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`,
     the payload (`cfg.payload`, `cfg.payload_bits`, `cfg.error_feedback`); inside a
     HierarchicalAverager when `hierarchy.every` > 0 (collective then: it splits `comm` into
-    nodes)."""
+    nodes); an OverlapAverager (labavg.overlap) when `overlap` is not "none", which cuts `flat`
+    between the parameter tensors of `sizes` values."""
+    if cfg.overlap != "none":
+        from labavg.overlap import make_overlap_averager
+
+        return make_overlap_averager(cfg, flat, comm, sizes)
     every, reduce = cfg.averaging_interval(), cfg.reduce
     payload = {"payload": cfg.payload, "bits": cfg.payload_bits,
                "error_feedback": cfg.error_feedback}

@@ -44,6 +44,8 @@ REDUCE = ("allreduce", "butterfly", "ring")
 # their change since the last round in 16 bits or as integer codes of PAYLOAD_BITS bits.
 PAYLOADS = ("fp32", "bf16", "fp16", "int")
 PAYLOAD_BITS = (4, 8, 16)
+# Whether a round's mean runs while the next minibatches compute (labavg.overlap).
+OVERLAP = ("none", "eager", "streaming")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
 # torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
@@ -386,6 +388,12 @@ class TrainConfig:
                                 flag="--payload-bits")
     error_feedback: bool = setting(True, "a lossy payload adds each rank's compression error to "
                                    "its next round's change (1-bit SGD, EF-SGD)")
+    overlap: str = setting("none", "hide the round's mean behind the next K minibatches (eager: "
+                           "one round late, the whole model; streaming: one fragment per round)",
+                           _choice(OVERLAP), flag="--overlap")
+    streaming_fragments: int = setting(4, "overlap = streaming: contiguous fragments of the "
+                                       "model (whole parameter tensors), one synced per round",
+                                       _POSITIVE)
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", _choice(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
@@ -530,6 +538,10 @@ def _cross_checks(cls: type, v: Mapping[str, Any], prefix: str) -> str | None:
         # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
         return (f"payload = {v['payload']!r} gathers the ranks' compressed changes and cannot "
                 f"use reduce = {v['reduce']!r} (set reduce = \"allreduce\" or payload = \"fp32\")")
+    if cls is TrainConfig and v["overlap"] != "none":
+        problem = _overlap_problem(v)
+        if problem is not None:
+            return problem
     if cls is TrainConfig and v["data"].buffer_frames < v["minibatch"]:
         # FrameBatches needs a whole minibatch in its buffer.
         return (f"data.buffer_frames ({v['data'].buffer_frames}) must be at least the minibatch "
@@ -553,6 +565,25 @@ def _hierarchy_problem(v: Mapping[str, Any], size: int | None) -> str | None:
                 "hierarchy.node_size")
     if size is not None and h.node_size > 0 and size % h.node_size:
         return f"hierarchy.node_size = {h.node_size} does not divide the {size} ranks"
+    return None
+
+
+def _overlap_problem(v: Mapping[str, Any]) -> str | None:
+    """What `overlap` does not combine with (labavg.overlap, docs/averaging.md "Overlap")."""
+    mode = v["overlap"]
+    if v["hierarchy"].every > 0:
+        return f"overlap = {mode} does not combine with hierarchy.every > 0 yet"
+    if v["reduce"] != "allreduce":
+        return (f"overlap = {mode} needs reduce = allreduce (the backend's non-blocking "
+                f"collective); reduce = {v['reduce']} is a blocking exchange")
+    if v["payload"] != "fp32":
+        # The compressed payloads are gathered by a blocking allgather (labavg.payload).
+        return (f"overlap = {mode} does not combine with payload = {v['payload']!r} yet "
+                f"(set payload = \"fp32\" or overlap = \"none\")")
+    tensors = 2 * (v["model"].hidden_layers + 1)  # a weight and a bias per affine layer
+    if mode == "streaming" and v["streaming_fragments"] > tensors:
+        return (f"streaming_fragments = {v['streaming_fragments']} exceeds the {tensors} "
+                f"parameter tensors of a model with {v['model'].hidden_layers} hidden layers")
     return None
 
 

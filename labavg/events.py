@@ -48,6 +48,8 @@ class RunStarted(Event):
     bytes_per_round: int = 0  # what each rank puts into a round's collective across all ranks
     hierarchy_every: int = 0  # K2, minibatches between rounds across nodes (0: no hierarchy)
     node_ranks: int = 0  # ranks in this rank's node (0: no hierarchy)
+    overlap: str = "none"  # none, eager, streaming (labavg.overlap)
+    fragment_bytes: tuple[int, ...] = ()  # overlap: what a round of each fragment sends
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class Averaged(Event):
     frames_per_second: float  # this rank's training frames / compute seconds in the round
     bytes_sent: int = 0  # the parameter buffer (or compressed change) this rank sent this round
     scope: str = "all"  # "node": among this rank's node only ([hierarchy]); "all": every rank
+    # (blocking); "overlap": every rank, the mean running while the next K minibatches compute
+    wait_seconds: float = 0.0  # overlap: inside the wait for the mean started one round earlier
+    in_flight_seconds: float = 0.0  # overlap: that mean's start to the end of its wait
 
 
 @dataclass(frozen=True)
@@ -131,3 +136,6 @@ class RunFinished(Event):
     bytes_sent: int = 0  # this rank's parameter bytes over all averaging rounds
     node_rounds: int = 0  # of averaging_rounds, those within the node only ([hierarchy])
     node_bytes_sent: int = 0  # of bytes_sent, those of the node rounds
+    overlap_seconds: float = 0.0  # of comm_seconds, those spent on non-blocking means
+    overlap_bytes_sent: int = 0  # of bytes_sent, those sent by non-blocking means
+    wait_seconds: float = 0.0  # of overlap_seconds, those inside the waits

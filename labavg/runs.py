@@ -272,6 +272,11 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "all_bytes_sent": finished.bytes_sent - finished.node_bytes_sent,
         "stopped": finished.stopped,
         "comm_fraction": finished.comm_seconds / max(finished.compute_seconds + finished.comm_seconds, 1e-12),
+        "overlap": started.overlap,
+        "fragment_bytes": list(started.fragment_bytes),
+        "overlap_bytes_sent": finished.overlap_bytes_sent,
+        "comm_wait_seconds": finished.wait_seconds,
+        "comm_hidden_fraction": comm_hidden_fraction(finished),
         "speedup": None,
         "parallel_efficiency": None,
         "baseline_wall_seconds": None,
@@ -285,6 +290,19 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
             baseline_wall_seconds=baseline["wall_seconds"],
         )
     return summary
+
+
+def comm_hidden_fraction(finished: RunFinished) -> float | None:
+    """The share of the averaging communication that overlap hid (docs/averaging.md, Overlap):
+    1 - (seconds per byte the non-blocking means held the rank) / (seconds per byte of the
+    same run's blocking rounds), None without both kinds of rounds. Per byte, because a
+    streaming round sends one fragment and an epoch end's blocking round the whole model."""
+    blocking_seconds = finished.comm_seconds - finished.overlap_seconds
+    blocking_bytes = finished.bytes_sent - finished.overlap_bytes_sent
+    if finished.overlap_bytes_sent <= 0 or blocking_bytes <= 0 or blocking_seconds <= 0:
+        return None
+    return 1.0 - ((finished.overlap_seconds / finished.overlap_bytes_sent)
+                  / (blocking_seconds / blocking_bytes))
 
 
 def open_source(cfg: TrainConfig, allow_pipes: bool = False):

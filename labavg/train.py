@@ -152,6 +152,9 @@ class Progress:
     bytes_sent: int = 0  # parameter (or payload) bytes this rank put into the rounds' collectives
     node_rounds: int = 0  # of `rounds`, those within the node only ([hierarchy])
     node_bytes_sent: int = 0  # of `bytes_sent`, those of the node rounds
+    overlap_seconds: float = 0.0  # of `comm_seconds`, those of non-blocking means (overlap)
+    overlap_bytes_sent: int = 0  # of `bytes_sent`, those of non-blocking means
+    wait_seconds: float = 0.0  # of `overlap_seconds`, those inside the waits
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     wall_seconds: float = 0.0  # training wall time up to the last checkpoint (resumes add to it)
@@ -241,7 +244,7 @@ def train_rank(
 
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
-    averager = make_averager(cfg, flat, comm)
+    averager = make_averager(cfg, flat, comm, sizes=[p.numel() for p in model.parameters()])
     if found is not None:
         averager.load_state_dict(resumed_averager, flat)
     wall_before = progress.wall_seconds
@@ -260,6 +263,7 @@ def train_rank(
         bytes_per_round=averager.bytes_per_round(flat),
         hierarchy_every=cfg.hierarchy.every,
         node_ranks=averager.node.size if cfg.hierarchy.every else 0,
+        overlap=cfg.overlap, fragment_bytes=tuple(getattr(averager, "fragment_bytes", ())),
     )
 
     cv_loss = cv_acc = math.nan
@@ -316,6 +320,10 @@ def train_rank(
             if scope == "node":
                 progress.node_rounds += 1
                 progress.node_bytes_sent += avg.bytes_sent
+            # Overlapped rounds (labavg.overlap) say which part of the round was non-blocking.
+            progress.overlap_seconds += getattr(avg, "overlap_seconds", 0.0)
+            progress.overlap_bytes_sent += getattr(avg, "overlap_bytes", 0)
+            progress.wait_seconds += getattr(avg, "wait_seconds", 0.0)
             if not avg.finite:
                 yield Message(rank=rank, step=step, text="non-finite parameters left out of the "
                               "average; this rank restarts from the averaged model")
@@ -324,6 +332,8 @@ def train_rank(
                 compute_seconds=round_compute, comm_seconds=avg.comm_seconds,
                 frames_per_second=round_frames / round_compute if round_compute > 0 else 0.0,
                 bytes_sent=avg.bytes_sent, scope=scope,
+                wait_seconds=getattr(avg, "wait_seconds", 0.0),
+                in_flight_seconds=getattr(avg, "in_flight_seconds", 0.0),
             )
             round_compute, round_frames = 0.0, 0
             if avg.stop:
@@ -370,6 +380,8 @@ def train_rank(
         averaging_rounds=progress.rounds, frames_trained=progress.step * cfg.minibatch * size,
         cv_loss=cv_loss, cv_frame_accuracy=cv_acc, stopped=stopped, bytes_sent=progress.bytes_sent,
         node_rounds=progress.node_rounds, node_bytes_sent=progress.node_bytes_sent,
+        overlap_seconds=progress.overlap_seconds, overlap_bytes_sent=progress.overlap_bytes_sent,
+        wait_seconds=progress.wait_seconds,
     )
 
 

@@ -223,6 +223,11 @@ class WatchedCommunicator:
     def allreduce_mean(self, buf: torch.Tensor) -> None:
         self._call("allreduce", self._comm.allreduce_mean, buf)
 
+    def iallreduce_mean(self, buf: torch.Tensor) -> "_WatchedPending":
+        # Starting can block too (inproc copies; MPI may progress), and the wait is where a
+        # lost peer shows: both count as waiting in a collective.
+        return _WatchedPending(self, self._call("iallreduce", self._comm.iallreduce_mean, buf))
+
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         self._call("broadcast", self._comm.broadcast, buf, root)
 
@@ -249,3 +254,13 @@ class WatchedCommunicator:
 
     def close(self) -> None:
         self._comm.close()
+
+
+class _WatchedPending:
+    """A non-blocking mean whose wait tells the watchdog, as a blocking collective does."""
+
+    def __init__(self, comm: WatchedCommunicator, pending: Any) -> None:
+        self._comm, self._pending = comm, pending
+
+    def wait(self) -> None:
+        self._comm._call("iallreduce wait", self._pending.wait)

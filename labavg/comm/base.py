@@ -7,6 +7,20 @@ from typing import Protocol
 import torch
 
 
+class Pending(Protocol):
+    """A mean started by `Communicator.iallreduce_mean`, still in flight."""
+
+    def wait(self) -> None:
+        """Block until the buffer holds the mean (bitwise that of `allreduce_mean`)."""
+
+
+class Done:
+    """The handle of a mean with nothing to wait for (one rank)."""
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
 class Communicator(Protocol):
     """One rank's view of the group of workers.
 
@@ -20,6 +34,14 @@ class Communicator(Protocol):
 
     def allreduce_mean(self, buf: torch.Tensor) -> None:
         """Replace `buf` on every rank with the element-wise mean over ranks."""
+
+    def iallreduce_mean(self, buf: torch.Tensor) -> Pending:
+        """Start replacing `buf` with the mean over ranks, without waiting for it.
+
+        `buf` must not be read or written until `wait()` of the returned handle has returned;
+        then it holds bitwise what `allreduce_mean` would have left there. Every rank starts
+        its means in the same order, as with any collective (labavg.overlap's eager rounds).
+        """
 
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""

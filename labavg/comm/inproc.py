@@ -309,6 +309,12 @@ class InProcCommunicator:
         mean = self.group.rendezvous(self.rank, _Call("allreduce_mean", buf))
         buf.copy_(mean)
 
+    def iallreduce_mean(self, buf: torch.Tensor) -> "_InProcPending":
+        """Start the mean of `buf`: its values are deposited (copied) now, as MPI would read
+        them, and the ranks meet to combine them at `wait()`, with the blocking mean's bits."""
+        check_buffer(buf)
+        return _InProcPending(self, buf, buf.clone() if self.size > 1 else None)
+
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
         check_buffer(buf)
@@ -368,6 +374,22 @@ class InProcCommunicator:
 
     def close(self) -> None:
         """Nothing to release; present for symmetry with the process backends."""
+
+
+class _InProcPending:
+    """An inproc mean in flight: the deposited values, combined at `wait` (once)."""
+
+    def __init__(self, comm: InProcCommunicator, buf: torch.Tensor,
+                 deposit: torch.Tensor | None) -> None:
+        self._comm, self._buf, self._deposit = comm, buf, deposit
+
+    def wait(self) -> None:
+        """Meet the other ranks and write the mean into the buffer."""
+        if self._deposit is None:
+            return
+        deposit, self._deposit = self._deposit, None
+        comm = self._comm
+        self._buf.copy_(comm.group.rendezvous(comm.rank, _Call("allreduce_mean", deposit)))
 
 
 def _communicators(size: int, timeout: float | None = None) -> list[InProcCommunicator]:

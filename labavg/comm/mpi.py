@@ -58,6 +58,28 @@ class MpiCommunicator:
             self._comm.Allreduce(self._mpi.IN_PLACE, view, op=self._mpi.SUM)
         buf.div_(self.size)
 
+    def iallreduce_mean(self, buf: torch.Tensor) -> "_MpiPending":
+        """Start the mean of `buf`: an in-place MPI_Iallreduce(SUM), divided at `wait()`.
+
+        MPICH advances a non-blocking collective only inside MPI calls unless asynchronous
+        progress is on (MPIR_CVAR_ASYNC_PROGRESS=1; benchmarks/bench_overlap.py measures both).
+        A staged (non-CUDA-aware) buffer gets a host copy of its own for the request's life.
+        """
+        check_buffer(buf)
+        if self.size == 1:
+            return _MpiPending(None, None, buf, 1)
+        copy_back = None
+        if buf.device.type == "cpu":
+            view = buf.detach().numpy()
+        elif buf.device.type == "cuda" and self.cuda_aware:
+            torch.cuda.current_stream(buf.device).synchronize()
+            view = buf.detach()
+        else:
+            host = buf.detach().cpu()
+            view, copy_back = host.numpy(), host
+        request = self._comm.Iallreduce(self._mpi.IN_PLACE, view, op=self._mpi.SUM)
+        return _MpiPending(request, (view, copy_back), buf, self.size)
+
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
         check_buffer(buf)
@@ -171,6 +193,25 @@ class MpiCommunicator:
             staging = torch.empty(buf.numel(), dtype=buf.dtype, pin_memory=pin)
             self._staging = staging
         return staging
+
+
+class _MpiPending:
+    """An MPI_Iallreduce in flight; `keep` holds the memory MPI writes until it is done."""
+
+    def __init__(self, request: Any, keep: Any, buf: torch.Tensor, size: int) -> None:
+        self._request, self._keep, self._buf, self._size = request, keep, buf, size
+
+    def wait(self) -> None:
+        """MPI_Wait, then the same in-place division as `allreduce_mean`."""
+        if self._request is None:
+            return
+        request, self._request = self._request, None
+        request.Wait()
+        _, host = self._keep
+        self._keep = None
+        if host is not None:
+            self._buf.copy_(host)
+        self._buf.div_(self._size)
 
 
 class _Exposed:

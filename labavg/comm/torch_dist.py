@@ -58,6 +58,15 @@ class TorchDistCommunicator:
         self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group)
         buf.div_(self.size)
 
+    def iallreduce_mean(self, buf: torch.Tensor) -> "_TorchPending":
+        """Start the mean of `buf`: all_reduce(SUM, async_op=True), divided at `wait()`."""
+        check_buffer(buf)
+        if self.size == 1:
+            return _TorchPending(None, buf, 1)
+        work = self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM, group=self._group,
+                                     async_op=True)
+        return _TorchPending(work, buf, self.size)
+
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
         """Copy `root`'s `buf` into every rank's `buf`."""
         check_buffer(buf)
@@ -159,3 +168,18 @@ class TorchDistCommunicator:
         if self._owns_group and self._dist.is_initialized():
             self._dist.destroy_process_group()
         self._owns_group = False
+
+
+class _TorchPending:
+    """An asynchronous all_reduce in flight."""
+
+    def __init__(self, work, buf: torch.Tensor, size: int) -> None:
+        self._work, self._buf, self._size = work, buf, size
+
+    def wait(self) -> None:
+        """work.wait(), then the same in-place division as `allreduce_mean`."""
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        work.wait()
+        self._buf.div_(self._size)
