@@ -397,10 +397,12 @@ def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
 _MARKERS = ("circle", "triangle", "square", "diamond", "inverted_triangle", "hex")
 
 
-def communication_plot(points: list[dict[str, Any]]) -> hv.Layout:
+def communication_plot(points: list[dict[str, Any]],
+                       one_rank: dict[str, float | None] | None = None) -> hv.Layout:
     """CV frame accuracy and WER of the finished multi-rank runs against the megabytes each
     rank sent (log scale): one colour per averaging method and payload, one marker per number
-    of ranks."""
+    of ranks; `one_rank` ({"cv_acc_pct": ..., "wer_pct": ...}) draws a 1-rank run's results as
+    dashed lines, what averaging would ideally keep."""
     frame = pd.DataFrame(points, columns=["method", "payload", "ranks", "K", "mb_sent",
                                           "cv_acc_pct", "wer_pct", "run"])
     frame["payload"] = frame["payload"].fillna("fp32")
@@ -420,6 +422,9 @@ def communication_plot(points: list[dict[str, Any]]) -> hv.Layout:
         acc = [hv.Scatter([], "mb_sent", "cv_acc_pct")]
     if not wer:
         wer = [hv.Scatter([], "mb_sent", "wer_pct")]
+    for layers, key in ((acc, "cv_acc_pct"), (wer, "wer_pct")):
+        if one_rank and one_rank.get(key) is not None:
+            layers.append(hv.HLine(one_rank[key]).opts(color="gray", line_dash="dashed"))
     x = "MB sent per rank (all rounds, log scale)"
     return (
         hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",

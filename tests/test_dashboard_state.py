@@ -366,6 +366,12 @@ def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
     assert accuracy.opts.get().kwargs["logx"] is True
     assert "MB sent per rank" in accuracy.opts.get().kwargs["xlabel"]
     assert len(wer) == 1 and len(wer.get(0)) == 0  # no decoded run: an empty plot, not an error
+    import holoviews as hv
+
+    accuracy, wer = communication_plot(points, one_rank={"cv_acc_pct": 61.5, "wer_pct": None})
+    lines = [el for el in accuracy if isinstance(el, hv.HLine)]
+    assert [line.data for line in lines] == [61.5]  # the 1-rank run, dashed
+    assert not any(isinstance(el, hv.HLine) for el in wer)  # no WER: no line
 
 
 def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_path):
