@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,49 +23,18 @@ from labavg.comm.devices import select_device
 from labavg.comm.launchers import detect_launcher, find_mpiexec, mpiexec_command
 from labavg.comm.world import open_communicator
 from labavg.errors import UserError
+from support import free_port as _free_port, launch, load_ranks as _load_ranks, load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "comm_scripts" / "collectives.py"
 LAUNCH_TIMEOUT_S = 60
 
 
-def _load_script():
-    """The helper script as a module, so inproc runs the very code the launchers run."""
-    spec = importlib.util.spec_from_file_location("comm_collectives", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-collectives = _load_script()
-
-
-def _child_env() -> dict[str, str]:
-    """Environment for launched ranks: the repo importable, one torch thread per rank."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+collectives = load_script(SCRIPT, "comm_collectives")
 
 
 def _launch(command: list[str]) -> None:
-    """Run a launcher; fail with its output if it fails or hangs."""
-    try:
-        done = subprocess.run(
-            command, env=_child_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{command[0]} hung for {LAUNCH_TIMEOUT_S} s: {exc.stdout} {exc.stderr}")
-    assert done.returncode == 0, f"{command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-
-
-def _load_ranks(out: Path, size: int) -> list[dict[str, np.ndarray]]:
-    """Every rank's saved results, in rank order."""
-    ranks = []
-    for rank in range(size):
-        with np.load(out / f"rank{rank}.npz") as saved:
-            ranks.append({key: saved[key] for key in saved.files})
-    return ranks
+    launch(command, LAUNCH_TIMEOUT_S)
 
 
 def _inproc_results(size: int, tmp_path: Path) -> list[dict[str, np.ndarray]]:
@@ -114,13 +79,6 @@ def _within(seconds: float, fn, *args):
     if "error" in box:
         raise box["error"]
     return box["value"]
-
-
-def _free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- single process, factory, devices, launcher detection ---------------------------------

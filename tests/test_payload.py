@@ -9,10 +9,7 @@ sum and of W_g + mean (u (|W_g| + sum_i |v_i|) with u = 2^-24, taken 4 times her
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +28,8 @@ from labavg.payload import CHUNK, decode, encode, error_bound, payload_bytes
 from labavg.runs import read_events, read_summary, run_training
 
 from test_train import SMALL, final_params, small_config
+from support import (child_env as _env, cli_refusal, free_port as _free_port, launch,
+                     load_ranks as _load_ranks, load_script)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "comm_scripts" / "payload.py"
@@ -40,41 +39,11 @@ U32 = 2.0**-24
 FORMATS = (("bf16", 8), ("fp16", 8), ("int", 4), ("int", 8), ("int", 16))
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("comm_payload", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+script = load_script(SCRIPT, "comm_payload")
 
 
 def _launch(command: list[str]) -> None:
-    try:
-        done = subprocess.run(command, env=_env(), capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{command[0]} hung for {LAUNCH_TIMEOUT_S} s: {exc.stdout} {exc.stderr}")
-    assert done.returncode == 0, f"{command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-
-
-def _load_ranks(out: Path, size: int) -> list[dict[str, np.ndarray]]:
-    ranks = []
-    for rank in range(size):
-        with np.load(out / f"rank{rank}.npz") as saved:
-            ranks.append({k: saved[k] for k in saved.files})
-    return ranks
+    launch(command, LAUNCH_TIMEOUT_S)
 
 
 # --- the codecs ---------------------------------------------------------------------------------
@@ -452,14 +421,7 @@ def test_bad_payload_settings_name_key_and_value(overrides, named):
     (["--payload", "int", "--reduce", "butterfly"], "cannot use reduce = 'butterfly'"),
 ])
 def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
-    proc = subprocess.run(
-        [PYTHON, "-m", "labavg", "train", "--data", str(tmp_path / "nodata"), "--out",
-         str(tmp_path / "run"), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-        env=_env())
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("labavg: error: ") and named in lines[0]
-    assert list(tmp_path.iterdir()) == []
+    assert named in cli_refusal(tmp_path, args)
 
 
 def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():

@@ -11,9 +11,6 @@ contribution left out or added twice is off by |x_r| / N, orders of magnitude mo
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +37,8 @@ from labavg.errors import UserError
 from labavg.runs import read_events, read_summary, run_training
 
 from test_train import SMALL, final_params, small_config
+from support import (child_env as _env, free_port as _free_port, launch,
+                     load_ranks as _load_ranks, load_script)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "comm_scripts" / "reduce.py"
@@ -48,41 +47,11 @@ LAUNCH_TIMEOUT_S = 120
 UNIT_ROUNDOFF = {np.float32: 2.0**-24, np.float64: 2.0**-53}
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("comm_reduce", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+script = load_script(SCRIPT, "comm_reduce")
 
 
 def _launch(command: list[str]) -> None:
-    try:
-        done = subprocess.run(command, env=_env(), capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{command[0]} hung for {LAUNCH_TIMEOUT_S} s: {exc.stdout} {exc.stderr}")
-    assert done.returncode == 0, f"{command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-
-
-def _load_ranks(out: Path, size: int) -> list[dict[str, np.ndarray]]:
-    ranks = []
-    for rank in range(size):
-        with np.load(out / f"rank{rank}.npz") as saved:
-            ranks.append({k: saved[k] for k in saved.files})
-    return ranks
+    launch(command, LAUNCH_TIMEOUT_S)
 
 
 def _rounding_bound(size: int, length: int, dtype) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,74 @@
+"""What several test modules share: launching real MPICH / torchrun jobs of a helper script
+and reading their per-rank results, and the CLI's one-line refusal of a bad setting."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def child_env() -> dict[str, str]:
+    """Environment for launched ranks: the repo importable, one torch thread per rank."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A helper script as a module, so inproc runs the very code the launchers run."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch(command: list[str], timeout: float = 120) -> None:
+    """Run a launcher; fail with its output if it fails or hangs."""
+    try:
+        done = subprocess.run(command, env=child_env(), capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{command[0]} hung for {timeout} s: {exc.stdout} {exc.stderr}")
+    assert done.returncode == 0, f"{command}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+
+
+def load_ranks(out: Path, size: int) -> list[dict[str, np.ndarray]]:
+    """Every rank's saved results (OUT/rank<r>.npz), in rank order."""
+    ranks = []
+    for rank in range(size):
+        with np.load(out / f"rank{rank}.npz") as saved:
+            ranks.append({key: saved[key] for key in saved.files})
+    return ranks
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli_refusal(tmp_path: Path, args: list[str]) -> str:
+    """`labavg train ARGS` with a bad setting: exit status 2, one line on stderr, nothing
+    written; returns that line."""
+    proc = subprocess.run(
+        [PYTHON, "-m", "labavg", "train", "--data", str(tmp_path / "nodata"), "--out",
+         str(tmp_path / "run"), *args], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env=child_env())
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("labavg: error: "), lines
+    assert list(tmp_path.iterdir()) == []
+    return lines[0]
