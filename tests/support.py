@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -72,3 +73,19 @@ def cli_refusal(tmp_path: Path, args: list[str]) -> str:
     assert len(lines) == 1 and lines[0].startswith("labavg: error: "), lines
     assert list(tmp_path.iterdir()) == []
     return lines[0]
+
+
+def stopped_then_resumed(cfg, at_step: int = 4) -> tuple[dict, dict]:
+    """Train `cfg`, stop it once a rank reports step `at_step` (every rank stops at the next
+    round, with a checkpoint), then resume it to the end: (stopped summary, resumed summary)."""
+    from labavg.runs import run_training
+
+    flag = threading.Event()
+
+    def on_event(event):
+        if getattr(event, "step", 0) >= at_step:
+            flag.set()
+
+    stopped = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
+    (Path(cfg.out) / "summary.json").unlink()
+    return stopped, run_training(cfg, resume=True, progress=False)

@@ -10,7 +10,6 @@ import csv
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from labavg.sweep import load_sweep, run_sweep
 from labavg.train import train
 
 from test_train import SMALL, final_params, small_config
-from support import cli_refusal
+from support import cli_refusal, stopped_then_resumed
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -348,16 +347,8 @@ def test_stopped_and_resumed_run_matches_uninterrupted(corpus, tmp_path, method,
     full = small_config(corpus, tmp_path / "full", averaging=method, **settings)
     summary = run_training(full, progress=False)
     cfg = small_config(corpus, tmp_path / "run", averaging=method, **settings)
-    flag = threading.Event()
-
-    def on_event(event):
-        if getattr(event, "step", 0) >= 4:
-            flag.set()
-
-    stopped = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
+    stopped, resumed = stopped_then_resumed(cfg)
     assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
-    (tmp_path / "run" / "summary.json").unlink()
-    resumed = run_training(cfg, resume=True, progress=False)
     assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))
     assert torch.equal(final_params(tmp_path / "run", 1), final_params(tmp_path / "full", 1))
     # The summary names the method and what it sent: one float32 buffer per round.

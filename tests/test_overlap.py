@@ -26,7 +26,7 @@ from labavg.overlap import OVERLAP, OverlapAverager, fragment_bounds
 from labavg.runs import read_events, run_training
 
 from test_train import final_params, small_config
-from support import cli_refusal
+from support import cli_refusal, load_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -56,14 +56,6 @@ def _check_same_bits(ranks: list[dict[str, np.ndarray]], size: int) -> None:
     np.testing.assert_allclose(ranks[0]["nonblocking64"], expected, rtol=1e-12, atol=1e-12)
 
 
-def _load(out: Path, size: int) -> list[dict[str, np.ndarray]]:
-    ranks = []
-    for rank in range(size):
-        with np.load(out / f"rank{rank}.npz") as saved:
-            ranks.append({k: saved[k] for k in saved.files})
-    return ranks
-
-
 # --- the non-blocking mean ----------------------------------------------------------------------
 
 
@@ -77,7 +69,7 @@ def test_nonblocking_mean_is_the_blocking_mean_bitwise_on_mpich(size, tmp_path):
     proc = subprocess.run(mpiexec_command(size, [str(SCRIPT), "mpi", str(tmp_path)]),
                           capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    mpi = _load(tmp_path, size)
+    mpi = load_ranks(tmp_path, size)
     _check_same_bits(mpi, size)
     # and the same bits as the inproc backend, which reproduces MPICH's summation order
     inproc = run_inproc(size, _script().exercise)
@@ -92,7 +84,7 @@ def test_nonblocking_mean_is_the_blocking_mean_bitwise_on_torchrun(size, tmp_pat
          "--master-port", str(29700 + (os.getpid() + size) % 1000), str(SCRIPT), "torch",
          str(tmp_path)], capture_output=True, text=True, timeout=180, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_same_bits(_load(tmp_path, size), size)
+    _check_same_bits(load_ranks(tmp_path, size), size)
 
 
 def test_the_watchdog_wrapper_forwards_the_nonblocking_mean():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,7 @@ from labavg.runs import read_events, read_summary, run_training
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, cli_refusal, free_port as _free_port, launch,
-                     load_ranks as _load_ranks, load_script)
+                     load_ranks as _load_ranks, load_script, stopped_then_resumed)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "comm_scripts" / "payload.py"
@@ -349,16 +348,8 @@ def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
     full = small_config(corpus, tmp_path / "full", **changes)
     summary = run_training(full, progress=False)
     cfg = small_config(corpus, tmp_path / "run", **changes)
-    flag = threading.Event()
-
-    def on_event(event):
-        if getattr(event, "step", 0) >= 4:
-            flag.set()
-
-    stopped = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
+    stopped, resumed = stopped_then_resumed(cfg)
     assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
-    (tmp_path / "run" / "summary.json").unlink()
-    resumed = run_training(cfg, resume=True, progress=False)
     for rank in range(2):
         assert torch.equal(final_params(tmp_path / "run", rank),
                            final_params(tmp_path / "full", rank))
