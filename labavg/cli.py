@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("sweep_file", help="TOML file with [base] and [grid] tables")
     sweep.add_argument("--out", required=True, help="sweep directory")
+    sweep.add_argument("--recorded", help="a results file (experiments/reproduction-results.jsonl): "
+                       "points it records for this sweep (by the file's name, e.g. beyond) with "
+                       "the same settings are not trained again")
     sweep.set_defaults(func=cmd_sweep)
 
     dash = sub.add_parser(
@@ -278,7 +281,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from labavg.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep_file)
-    rows = run_sweep(sweep, Path(args.out))
+    recorded = None
+    if args.recorded:
+        from labavg.reproduction import read_results_file
+
+        runs = read_results_file(Path(args.recorded)).get(Path(args.sweep_file).stem, [])
+        recorded = {r.name: {"settings": r.settings, "summary": r.summary} for r in runs}
+    rows = run_sweep(sweep, Path(args.out), recorded=recorded)
     print((Path(args.out) / "results.md").read_text())
     print(f"{len(rows)} runs in {args.out}/runs; tables in {args.out}/results.csv and results.md")
     return 0

@@ -870,8 +870,10 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
     return "\n".join(parts) + "\n"
 
 
-def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int) -> None:
-    """`labavg sweep` for each (name, file, out, cwd), `parallel` at a time, logs in OUT.log."""
+def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int,
+                results: Path | None = None) -> None:
+    """`labavg sweep` for each (name, file, out, cwd), `parallel` at a time, logs in OUT.log;
+    the runs `results` records are not trained again (`labavg sweep --recorded`)."""
     pending, running, failed = list(jobs), [], []
     while pending or running:
         while pending and len(running) < parallel:
@@ -879,8 +881,9 @@ def _run_sweeps(jobs: list[tuple[str, Path, Path, Path | None]], parallel: int) 
             out.mkdir(parents=True, exist_ok=True)
             log = open(out.parent / f"{name}.log", "ab")
             print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log.name})", flush=True)
+            recorded = ["--recorded", str(results.resolve())] if results and results.is_file() else []
             proc = subprocess.Popen([sys.executable, "-m", "labavg.cli", "sweep", str(file.resolve()),
-                                     "--out", str(out.resolve())], cwd=cwd, stdout=log,
+                                     "--out", str(out.resolve()), *recorded], cwd=cwd, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             running.append((name, proc, log))
         time.sleep(1.0)
@@ -937,7 +940,7 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
 
         for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
             make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
-        _run_sweeps(jobs, parallel)
+        _run_sweeps(jobs, parallel, results if results is not None else exp.directory / RESULTS_FILE)
         if mpi:
             measure_mpi(exp.paper, out / "mpi")
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"

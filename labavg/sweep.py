@@ -30,7 +30,7 @@ import io
 import itertools
 import statistics
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 from labavg.checkpoint import atomic_write_text, latest_step
 from labavg.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
 from labavg.errors import UserError
-from labavg.index import SUMMARY, summary_row
+from labavg.index import SUMMARY, flatten_config, summary_row
 from labavg.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
                          run_dir_lock)
 
@@ -169,12 +169,16 @@ def run_sweep(
     *,
     train_point: Callable[[TrainConfig, bool], None] | None = None,
     cwd: str | Path | None = None,
+    recorded: Mapping[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Train every point not yet finished; write results.csv and results.md; return the rows.
 
     `train_point(cfg, resume)` trains one configuration (default: `labavg.launch.start_run`,
     which picks threads or a job by backend). `cwd` runs every point in that directory
     (Kaldi recipes' scp paths are relative to it); `out` is taken before it applies.
+    `recorded` maps point names to {"settings", "summary"} of runs finished elsewhere (a
+    results file, `labavg.reproduction`): a point recorded with the same settings and without
+    a run directory here is not trained again, and its recorded summary is its row.
     """
     if train_point is None:
         def train_point(cfg: TrainConfig, resume: bool) -> None:
@@ -185,10 +189,17 @@ def run_sweep(
 
     make_corpora(sweep, cwd)
     out.mkdir(parents=True, exist_ok=True)
-    rows, elsewhere = [], []
+    rows, elsewhere, kept = [], [], 0
     for name, overrides in sweep.points():
         run_dir = out / "runs" / name
         cfg = validate(with_overrides(sweep.base, {**overrides, "out": str(run_dir)}))
+        record = (recorded or {}).get(name)
+        if record is not None and not (run_dir / SUMMARY).is_file() \
+                and _same_settings(record["settings"], cfg):
+            row = summary_row(name, record["summary"])
+            rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
+            kept += 1
+            continue
         try:
             # Held for the whole point, so a second sweep of the same directory (another
             # process, another node) passes this point by instead of training it twice.
@@ -205,12 +216,21 @@ def run_sweep(
             row = summary_row(name, read_summary(out / "runs" / name))
             rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
     write_results(rows, out)
+    if kept:
+        print(f"labavg sweep: {kept} point(s) recorded as finished elsewhere were not trained "
+              "again", flush=True)
     still = [n for n in elsewhere if not (out / "runs" / n / SUMMARY).is_file()]
     if still:
         print(f"labavg sweep: {len(still)} point(s) are being trained by another job "
               f"({', '.join(still[:3])}{' ...' if len(still) > 3 else ''}); run the sweep again "
               "when it ends to tabulate them", flush=True)
     return rows
+
+
+def _same_settings(settings: Mapping[str, Any], cfg: TrainConfig) -> bool:
+    """Whether a recorded run's settings (dotted keys, some of them) are `cfg`'s."""
+    flat = flatten_config(to_dict(cfg))
+    return all(flat[k] == v for k, v in settings.items() if k in flat and k != "out")
 
 
 def _run_point(cfg: TrainConfig, run_dir: Path, train_point, cwd) -> None:

@@ -165,3 +165,40 @@ def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_pa
     assert "1 point(s) are being trained by another job (ranks_1)" in capsys.readouterr().out
     rows = run_sweep(sweep, tmp_path / "out")
     assert [r["name"] for r in rows] == ["ranks_1", "ranks_2"]
+
+
+def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(corpus, tmp_path):
+    from labavg.reproduction import load_runs, read_results_file, write_results_file
+
+    spec = tmp_path / "beyond.toml"
+    write_sweep(spec, corpus, 'ranks = [1, 2]')
+    sweep = load_sweep(spec)
+    run_sweep(sweep, tmp_path / "first")
+    results = write_results_file({"beyond": load_runs(tmp_path / "first")}, tmp_path / "r.jsonl")
+    recorded = {r.name: {"settings": r.settings, "summary": r.summary}
+                for r in read_results_file(results)["beyond"]}
+    # A fresh machine: no run directories, the results file only.
+    calls = []
+    rows = run_sweep(sweep, tmp_path / "again", recorded=recorded,
+                     train_point=lambda cfg, resume: calls.append(cfg.out))
+    assert calls == [] and [r["name"] for r in rows] == ["ranks_1", "ranks_2"]
+    assert rows[1]["cv_frame_accuracy"] == recorded["ranks_2"]["summary"]["cv_frame_accuracy"]
+    # A recorded run of other settings (another base) is trained.
+    recorded["ranks_2"]["settings"]["minibatch"] = 128
+    run_sweep(sweep, tmp_path / "again", recorded=recorded)
+    # Only that one was trained; nothing was made up as a run directory for the other.
+    assert [r.name for r in load_runs(tmp_path / "again")] == ["ranks_2"]
+    assert not (tmp_path / "again" / "runs" / "ranks_1").exists()
+
+
+def test_sweep_cli_takes_a_results_file_of_recorded_runs(corpus, tmp_path):
+    from labavg.reproduction import load_runs, write_results_file
+
+    spec = tmp_path / "beyond.toml"
+    write_sweep(spec, corpus, 'ranks = [1]')
+    run_sweep(load_sweep(spec), tmp_path / "first")
+    results = write_results_file({"beyond": load_runs(tmp_path / "first")}, tmp_path / "r.jsonl")
+    proc = _cli("sweep", str(spec), "--out", str(tmp_path / "again"), "--recorded", str(results))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 point(s) recorded as finished elsewhere were not trained again" in proc.stdout
+    assert not (tmp_path / "again" / "runs" / "ranks_1").exists()
