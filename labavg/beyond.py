@@ -34,8 +34,10 @@ def _payload(run: Run) -> str:
 
 
 def _cell(runs: list[Run], ranks: int, k: int, method: str, payload: str = "fp32") -> dict[int, Run]:
-    return {seed: r for seed, r in select(runs, ranks=ranks, average_every=k, averaging=method).items()
-            if _payload(r) == payload}
+    # The payload first: `select` keeps one run per seed, and the payloads share every setting
+    # `select` looks at.
+    return select([r for r in runs if _payload(r) == payload], ranks=ranks, average_every=k,
+                  averaging=method)
 
 
 def _points(runs: list[Run]) -> list[tuple[int, int, str, str]]:

@@ -68,10 +68,15 @@ def test_a_single_seed_is_not_a_verdict():
 
 
 def test_payloads_are_their_own_rows():
+    # Listed after the fp32 runs of the same seeds, as a sweep would find them.
     runs = _runs() + [_run(s, 12.2, payload="int", bits=4) for s in (0, 1)]
     rows = beyond.table(runs, {})
     int4 = [r for r in rows if "| int4 |" in r]
     assert len(int4) == 1 and int4[0].startswith("| 16 | 10 | model (the paper's) | int4 | 2 |")
+    # The fp32 reference keeps its three seeds, and int4 is paired with it on seeds 0 and 1.
+    fp32 = next(r for r in rows if r.startswith("| 16 | 10 | model (the paper's) | fp32 |"))
+    assert "| fp32 | 3 | 12.10 ± 0.10 |" in fp32
+    assert "| -0.15 [" in int4[0]  # model 12.0, 12.1 against 12.2, 12.2
 
 
 def test_the_figure_is_written(tmp_path):
