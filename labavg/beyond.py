@@ -130,51 +130,63 @@ def verdicts(runs: list[Run]) -> list[tuple[str, str]]:
     return out
 
 
-def figure(runs: list[Run], one_worker: dict[int, Run], path: Path) -> Path:
-    """WER against MB sent per worker (log scale), one panel per number of workers, one line
-    per method through its K values; the one-worker WER dashed."""
-    import holoviews as hv
-    import holoviews.plotting.mpl  # noqa: F401  (loads the backend without making it current)
+_COLORS = {"model": "#d62728", "bmuf": "#2ca02c", "diloco": "#1f77b4"}
+_MARKERS = {"fp32": "o", "bf16": "s", "fp16": "D", "int16": "P", "int8": "^", "int4": "v"}
 
-    mpl = {"backend": "matplotlib"}
-    previous = hv.Store.current_backend
-    hv.Store.set_current_backend("matplotlib")
-    try:
-        panels = []
-        points = _points(runs)
-        one = _stat(one_worker, "wer")
-        for ranks in sorted({p[0] for p in points}):
-            layers = []
-            for method in METHODS:
-                for payload in sorted({p[3] for p in points if p[0] == ranks and p[2] == method}):
-                    data = []
-                    for k in sorted({p[1] for p in points if p[0] == ranks and p[2] == method
-                                     and p[3] == payload}):
-                        cell = _cell(runs, ranks, k, method, payload)
-                        wer, mb = _stat(cell, "wer"), _mean_mb(cell)
-                        if wer is not None and mb:
-                            data.append((mb, wer.mean, k))
-                    if not data:
-                        continue
-                    label = _LABELS[method] + ("" if payload == "fp32" else f", {payload}")
-                    layers.append(hv.Curve(data, "MB", ["WER", "K"], label=label)
-                                  * hv.Scatter(data, "MB", ["WER", "K"], label=label))
-                    layers += [hv.Text(mb, wer, f" K={k}", halign="left", fontsize=8)
-                               for mb, wer, k in data if payload == "fp32"]
-            if one is not None:
-                layers.append(hv.HLine(one.mean).opts(color="grey", linestyle="--", **mpl))
-            panels.append(hv.Overlay(layers).opts(
-                logx=True, xlabel="MB sent per worker, whole run (log scale)", ylabel="WER (%)",
-                title=f"{ranks} workers (dashed: 1 worker)", legend_position="top_right",
-                show_grid=True, aspect=1.3, **mpl))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-        layout = hv.Layout(panels).opts(sublabel_format="", fig_inches=(11, 4.4), **mpl)
-        hv.save(layout, tmp, fmt="png", backend="matplotlib", dpi=100)
-        os.replace(tmp, path)
-        return path
-    finally:
-        hv.Store.set_current_backend(previous)
+
+def figure(runs: list[Run], one_worker: dict[int, Run], path: Path) -> Path:
+    """WER against MB sent per worker (log scale), one panel per number of workers: a line per
+    method through its K values (fp32), a marker per payload; the one-worker WER dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, whatever backend a notebook chose
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    points = _points(runs)
+    workers = sorted({p[0] for p in points}) or [16]
+    one = _stat(one_worker, "wer")
+    fig, axes = plt.subplots(1, len(workers), figsize=(5.6 * len(workers), 4.4), squeeze=False,
+                             sharey=True)
+    for ax, ranks in zip(axes[0], workers):
+        for method in METHODS:
+            for payload in sorted({p[3] for p in points if p[0] == ranks and p[2] == method},
+                                  key=lambda x: (x != "fp32", x)):
+                data = []
+                for k in sorted({p[1] for p in points if p[0] == ranks and p[2] == method
+                                 and p[3] == payload}):
+                    cell = _cell(runs, ranks, k, method, payload)
+                    wer, mb = _stat(cell, "wer"), _mean_mb(cell)
+                    if wer is not None and mb:
+                        data.append((mb, wer.mean, k, len(cell)))
+                if not data:
+                    continue
+                label = _LABELS[method] + ("" if payload == "fp32" else f", {payload}")
+                xs, ys = [d[0] for d in data], [d[1] for d in data]
+                ax.plot(xs, ys, marker=_MARKERS.get(payload, "o"), color=_COLORS[method],
+                        linestyle="-" if payload == "fp32" else "none", label=label)
+                if payload == "fp32":
+                    for mb, wer, k, _ in data:
+                        ax.annotate(f"K={k}", (mb, wer), textcoords="offset points",
+                                    xytext=(4, 4), fontsize=8, color=_COLORS[method])
+        if one is not None:
+            ax.axhline(one.mean, color="grey", linestyle="--", linewidth=1, label="1 worker")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
+        ax.set_xlabel("MB sent per worker, whole run (log scale)")
+        ax.set_title(f"{ranks} workers")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best", framealpha=0.8)
+    axes[0][0].set_ylabel("WER on the test set (%), mean over seeds")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def section(runs: list[Run], sweep_file: Path, figure_path: Path | None, report: Path) -> list[str]:
