@@ -1,12 +1,14 @@
 """Training-engine benchmark: ratios measured in one run (never a timed test).
 
     .venv/bin/python benchmarks/bench_train.py [--hours 0.3] [--json out.json]
+        [--mpich MPIR_CVAR_POLLS_BEFORE_YIELD=1 ...] [--mpi-repeats 3] [--no-mpi]
 
 Reports, on the default model with one CPU thread per rank:
 1. the training step's FLOP rate (6 x parameters per frame) over this machine's single-thread
    matmul rate (a square matmul of the model's width);
 2. the training step's throughput over a minimal hand-written PyTorch loop on the same model;
-3. averaging cost at K=10 with 2 MPI ranks: communication seconds / compute seconds;
+3. averaging cost at K=10 with 2 MPI ranks: communication seconds / compute seconds, split
+   into the transfer and the wait for the slower rank (`wait_split`), per MPICH setting;
 4. 2 MPI ranks vs 1 rank: epoch wall-time ratio on a built-in corpus.
 Step timings are this thread's CPU time, interleaved between candidates, medians of rounds.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -97,30 +100,73 @@ def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10)
     }
 
 
-def mpi_ratios(hours: float, epochs: int, workdir: Path) -> dict:
-    """Averaging cost with 2 MPI ranks at K=10, and the 2-rank vs 1-rank wall ratio."""
+def wait_split(events_path: Path) -> dict:
+    """Split each averaging round's comm_seconds into transfer and waiting for the slower rank.
+
+    A round's allreduce cannot finish on any rank before the last rank has joined it, so the
+    rank that joins last spends only the transfer (and MPI's own synchronisation) in it; every
+    other rank also waits for that one. Per round, transfer = min over ranks of comm_seconds and
+    each rank's wait = its comm_seconds - that minimum. Sums are over rounds, means over ranks.
+    """
+    rounds: dict[int, dict[int, tuple[float, float]]] = {}
+    for line in events_path.read_text().splitlines():
+        e = json.loads(line)
+        if e.get("type") == "average":
+            rounds.setdefault(e["round"], {})[e["rank"]] = (e["comm_seconds"], e["compute_seconds"])
+    complete = [r for r in rounds.values() if len(r) > 1]
+    size = max((len(r) for r in complete), default=1)
+    comm = sum(c for r in complete for c, _ in r.values()) / size
+    compute = sum(t for r in complete for _, t in r.values()) / size
+    transfer = sum(min(c for c, _ in r.values()) for r in complete)
+    return {
+        "rounds": len(complete),
+        "comm_over_compute": comm / compute if compute else float("nan"),
+        "transfer_over_compute": transfer / compute if compute else float("nan"),
+        "wait_over_compute": (comm - transfer) / compute if compute else float("nan"),
+        "transfer_ms_per_round": 1e3 * transfer / max(len(complete), 1),
+    }
+
+
+def _train(labavg: list[str], common: list[str], ranks: int, run: Path, env: dict | None = None) -> dict:
+    subprocess.run([*labavg, "train", *common, "--ranks", str(ranks), "--backend", "mpi",
+                    "--out", str(run)], check=True, stdout=subprocess.DEVNULL,
+                   env=None if env is None else {**os.environ, **env})
+    return json.loads((run / "summary.json").read_text())
+
+
+def mpi_ratios(hours: float, epochs: int, workdir: Path, variants: list[str], repeats: int) -> dict:
+    """Averaging cost with 2 MPI ranks at K=10 (split into transfer and wait, under each MPICH
+    setting of `variants`, runs interleaved `repeats` times), and the 2-rank vs 1-rank wall ratio."""
     labavg = [sys.executable, "-m", "labavg"]
     corpus = workdir / "corpus"
     subprocess.run([*labavg, "corpus", "synth", str(corpus), "--hours", str(hours)], check=True,
                    stdout=subprocess.DEVNULL)
     common = ["--data", str(corpus), "--epochs", str(epochs), "--average-every", "10",
               "--no-progress", "--set", "tensorboard=false", "--set", "log_every=10"]
-    out = {}
-    for ranks in (1, 2):
-        run = workdir / f"ranks{ranks}"
-        subprocess.run([*labavg, "train", *common, "--ranks", str(ranks), "--backend", "mpi",
-                        "--out", str(run)], check=True, stdout=subprocess.DEVNULL)
-        out[ranks] = json.loads((run / "summary.json").read_text())
-    two = out[2]
+    one = _train(labavg, common, 1, workdir / "ranks1")
+    per_variant: dict[str, list[dict]] = {v or "default": [] for v in variants}
+    two = None
+    for rep in range(repeats):
+        for v in variants:
+            env = dict(kv.split("=", 1) for kv in v.split(",") if kv)
+            run = workdir / f"ranks2-{len(per_variant[v or 'default'])}-{abs(hash(v))}"
+            summary = _train(labavg, common, 2, run, env)
+            split = wait_split(run / "events.jsonl")
+            split.update(wall_s=summary["wall_seconds"], speedup=summary["speedup"])
+            per_variant[v or "default"].append(split)
+            if two is None and not v:
+                two = summary
+    two = two or summary
     return {
         "corpus_hours": hours,
         "epochs": epochs,
         "comm_over_compute_2ranks_K10": two["comm_seconds"] / two["compute_seconds"],
-        "wall_1rank_s": out[1]["wall_seconds"],
+        "wall_1rank_s": one["wall_seconds"],
         "wall_2ranks_s": two["wall_seconds"],
         "speedup_2ranks": two["speedup"],
-        "cv_frame_accuracy_1rank": out[1]["cv_frame_accuracy"],
+        "cv_frame_accuracy_1rank": one["cv_frame_accuracy"],
         "cv_frame_accuracy_2ranks": two["cv_frame_accuracy"],
+        "mpich_variants": per_variant,
     }
 
 
@@ -129,11 +175,19 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=0.3, help="corpus size for the MPI part")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--minibatch", type=int, default=256)
+    parser.add_argument("--mpich", action="append", default=None, metavar="NAME=VALUE[,...]",
+                        help="also run the 2-rank part with these MPICH settings (repeatable; "
+                             "e.g. MPIR_CVAR_POLLS_BEFORE_YIELD=1)")
+    parser.add_argument("--mpi-repeats", type=int, default=1, help="2-rank runs per setting")
+    parser.add_argument("--no-mpi", action="store_true", help="only the step ratios")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = {"step": step_ratios(args.minibatch, num_pdfs=120)}
-    with tempfile.TemporaryDirectory(prefix="labavg-bench-") as tmp:
-        results["mpi"] = mpi_ratios(args.hours, args.epochs, Path(tmp))
+    results = {"loadavg_before": os.getloadavg(), "step": step_ratios(args.minibatch, num_pdfs=120)}
+    if not args.no_mpi:
+        with tempfile.TemporaryDirectory(prefix="labavg-bench-") as tmp:
+            results["mpi"] = mpi_ratios(args.hours, args.epochs, Path(tmp), ["", *(args.mpich or [])],
+                                        args.mpi_repeats)
+    results["loadavg_after"] = os.getloadavg()
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
