@@ -75,15 +75,39 @@ def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10)
         for _ in range(steps * 6):
             torch.mm(a, b)
 
-    for fn in (run_ours, run_plain, run_matmul):
+    # The step's own GEMMs on its shapes and fresh operands per layer (forward addmm, dX, dW;
+    # no dX for the first layer, whose input needs no gradient): what a step would cost if
+    # everything but the GEMMs were free, so step / gemms is the non-GEMM overhead.
+    dims = [440] + [cfg.hidden_dim] * cfg.hidden_layers + [num_pdfs]
+    shapes = list(zip(dims[:-1], dims[1:]))
+    ws = [torch.randn(o, i) for i, o in shapes]
+    bs = [torch.randn(o) for _, o in shapes]
+    xs = [torch.randn(minibatch, i) for i, _ in shapes]
+    dys = [torch.randn(minibatch, o) for _, o in shapes]
+
+    def run_gemms():
+        for _ in range(steps):
+            for layer, (w, bias, xi, dy) in enumerate(zip(ws, bs, xs, dys)):
+                torch.addmm(bias, xi, w.t())
+                if layer:
+                    dy.mm(w)
+                dy.t().mm(xi)
+
+    for fn in (run_ours, run_plain, run_matmul, run_gemms):
         fn()  # warm up
-    t_ours, t_plain, t_mm = [], [], []
+    t_ours, t_plain, t_mm, t_gemms = [], [], [], []
     for _ in range(rounds):
         t_ours.append(_median_seconds(run_ours, 1))
         t_plain.append(_median_seconds(run_plain, 1))
         t_mm.append(_median_seconds(run_matmul, 1))
+        t_gemms.append(_median_seconds(run_gemms, 1))
     step_s = statistics.median(t_ours) / steps
     plain_s = statistics.median(t_plain) / steps
+    gemms_s = statistics.median(t_gemms) / steps
+    ratios_plain = sorted(p / o for p, o in zip(t_plain, t_ours))
+    # Per round: (step FLOPs / step seconds) / (matmul FLOPs / matmul seconds), i.e. t_mm / t_ours.
+    flop_ratios = sorted(6 * count_parameters(ours) * minibatch * m / (2 * minibatch * cfg.hidden_dim ** 2 * 6 * o)
+                         for o, m in zip(t_ours, t_mm))
     mm_flops = 2 * minibatch * cfg.hidden_dim ** 2 * steps * 6 / statistics.median(t_mm)
     n = count_parameters(ours)
     step_flops = 6 * n * minibatch / step_s
@@ -97,6 +121,11 @@ def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10)
         "matmul_gflops": mm_flops / 1e9,
         "flop_ratio": step_flops / mm_flops,
         "vs_plain_loop": plain_s / step_s,
+        "vs_plain_loop_per_round_min_max": [ratios_plain[0], ratios_plain[-1]],
+        "gemms_ms": 1e3 * gemms_s,
+        "gemms_over_step": gemms_s / step_s,
+        "gemm_flop_ratio": (6 * n * minibatch / gemms_s) / mm_flops,
+        "flop_ratio_per_round_min_max": [flop_ratios[0], flop_ratios[-1]],
     }
 
 
@@ -118,13 +147,52 @@ def wait_split(events_path: Path) -> dict:
     comm = sum(c for r in complete for c, _ in r.values()) / size
     compute = sum(t for r in complete for _, t in r.values()) / size
     transfer = sum(min(c for c, _ in r.values()) for r in complete)
+    # The part of the wait that the ranks' own compute times explain: train_step's wall time
+    # differs between ranks when they share cores with each other and with other processes.
+    compute_skew = sum(max(t for _, t in r.values()) - t for r in complete for _, t in r.values()) / size
     return {
         "rounds": len(complete),
         "comm_over_compute": comm / compute if compute else float("nan"),
         "transfer_over_compute": transfer / compute if compute else float("nan"),
         "wait_over_compute": (comm - transfer) / compute if compute else float("nan"),
         "transfer_ms_per_round": 1e3 * transfer / max(len(complete), 1),
+        "compute_skew_over_compute": compute_skew / compute if compute else float("nan"),
     }
+
+
+def data_skew(corpus: Path, size: int = 2, K: int = 10) -> dict:
+    """How far the ranks' data loading alone puts them out of step at the averaging rounds.
+
+    The trainer's compute_seconds cover train_step only; filling a rank's shuffle buffer
+    (reading and splicing ~buffer_frames frames) happens between steps, at steps that differ
+    from rank to rank. Per round of K minibatches this times each rank's FrameBatches (one
+    after the other in this process: no contention between them) and sums, over rounds, what
+    the slowest rank's loading exceeds each other rank's by: the wait it alone would cause.
+    """
+    from labavg.config import TrainConfig
+    from labavg.data.dataset import open_dataset
+    from labavg.data.frames import FrameBatches, split_cv, steps_per_epoch
+
+    cfg = TrainConfig()
+    source = open_dataset(corpus)
+    train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
+    num_steps = steps_per_epoch(train_keys, source.num_frames, size, cfg.minibatch)
+    per_rank = []
+    for rank in range(size):
+        batches = FrameBatches(source, train_keys, context=cfg.data.context, minibatch=cfg.minibatch,
+                               buffer_frames=cfg.data.buffer_frames, seed=cfg.seed, rank=rank,
+                               size=size, num_steps=num_steps)
+        times, it = [], iter(batches.epoch(0))
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            next(it)
+            times.append(time.perf_counter() - t0)
+        per_rank.append([sum(times[i:i + K]) for i in range(0, num_steps, K)])
+    rounds = list(zip(*per_rank))
+    wait = sum(max(r) - t for r in rounds for t in r) / size
+    return {"rounds": len(rounds), "load_seconds_per_rank": [sum(r) for r in per_rank],
+            "wait_from_loading_seconds_per_rank": wait,
+            "rounds_with_a_fill_on_one_rank_only": sum(1 for r in rounds if max(r) > 5 * min(r) + 0.005)}
 
 
 def _train(labavg: list[str], common: list[str], ranks: int, run: Path, env: dict | None = None) -> dict:
@@ -143,6 +211,7 @@ def mpi_ratios(hours: float, epochs: int, workdir: Path, variants: list[str], re
                    stdout=subprocess.DEVNULL)
     common = ["--data", str(corpus), "--epochs", str(epochs), "--average-every", "10",
               "--no-progress", "--set", "tensorboard=false", "--set", "log_every=10"]
+    skew = data_skew(corpus)
     one = _train(labavg, common, 1, workdir / "ranks1")
     per_variant: dict[str, list[dict]] = {v or "default": [] for v in variants}
     two = None
@@ -167,6 +236,7 @@ def mpi_ratios(hours: float, epochs: int, workdir: Path, variants: list[str], re
         "cv_frame_accuracy_1rank": one["cv_frame_accuracy"],
         "cv_frame_accuracy_2ranks": two["cv_frame_accuracy"],
         "mpich_variants": per_variant,
+        "data_skew": skew,
     }
 
 
