@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from labavg.model import DNN, ModelConfig, count_parameters
 from labavg.optim.factory import make_optimizer
-from labavg.train import train_step
+from labavg.train import keep_freed_memory, train_step
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -44,9 +44,12 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10) -> dict:
+def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10,
+                glibc_defaults: bool = False) -> dict:
     """Step FLOP rate vs matmul peak, and labavg's step vs a minimal loop."""
     torch.set_num_threads(1)
+    if not glibc_defaults:
+        keep_freed_memory()  # as labavg.train.train does; the minimal loop gets it too
     cfg = ModelConfig()
     x = torch.randn(minibatch, 440)
     y = torch.randint(0, num_pdfs, (minibatch,))
@@ -250,9 +253,12 @@ def main() -> None:
                              "e.g. MPIR_CVAR_POLLS_BEFORE_YIELD=1)")
     parser.add_argument("--mpi-repeats", type=int, default=1, help="2-rank runs per setting")
     parser.add_argument("--no-mpi", action="store_true", help="only the step ratios")
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="time the steps without labavg.train.keep_freed_memory")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = {"loadavg_before": os.getloadavg(), "step": step_ratios(args.minibatch, num_pdfs=120)}
+    results = {"loadavg_before": os.getloadavg(), "step": step_ratios(args.minibatch, num_pdfs=120,
+                                                                       glibc_defaults=args.glibc_defaults)}
     if not args.no_mpi:
         with tempfile.TemporaryDirectory(prefix="labavg-bench-") as tmp:
             results["mpi"] = mpi_ratios(args.hours, args.epochs, Path(tmp), ["", *(args.mpich or [])],
