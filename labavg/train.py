@@ -423,7 +423,7 @@ def keep_freed_memory() -> None:
     ~0.88 to ~0.82 of its CPU time (benchmarks/bench_train.py, README "Performance"). Setting
     the trim threshold switches off glibc's dynamic mmap threshold, so that one is set too
     (32 MiB, glibc's own ceiling for it). Process-wide and kept after the run; the process
-    holds on to at most 64 MiB of freed memory per malloc arena. A no-op without glibc.
+    keeps up to about 64 MiB of freed memory at the top of each malloc arena. A no-op without glibc.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -453,7 +453,7 @@ def train(
 
     torch's intra-op pool is process-wide: it has `cfg.threads` threads while the run goes and
     its size from before afterwards, so a process that trains now and then (the dashboard, a
-    notebook) keeps its own setting.
+    notebook) keeps its own setting. glibc's malloc thresholds (`keep_freed_memory`) stay raised.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
