@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from labavg.averaging import flatten_parameters
+from labavg.optim.base import StepStats
+from labavg.optim.max_change import LayerUpdate, apply_updates
 from labavg.optim.sgd import SGD
 
 
@@ -150,3 +152,48 @@ def test_default_sgd_is_plain_even_where_max_change_would_bind():
     assert stats.applied and stats.scale == 1.0
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.detach(), e)
+
+
+def _reference_apply(updates, max_param_change):
+    """apply_updates as a per-tensor loop (the implementation before the fused one)."""
+    sq = [float(torch.stack([torch.linalg.vector_norm(d) for d in u.deltas]).double().square().sum())
+          for u in updates]
+    coefs = [float(u.coef) for u in updates]
+    factors = [float(u.factor) for u in updates]
+    if not all(math.isfinite(v) for v in sq + coefs + factors):
+        return StepStats(applied=False, scale=0.0)
+    delta = math.sqrt(sum(c * c * n for c, n in zip(coefs, sq)))
+    scale = max_param_change / delta if 0 < max_param_change < delta else 1.0
+    with torch.no_grad():
+        for u, c in zip(updates, coefs):
+            for p, d in zip(u.params, u.deltas):
+                p.add_(d, alpha=c * scale)
+    return StepStats(applied=True, scale=min(factors) * scale)
+
+
+@pytest.mark.parametrize("max_param_change", [0.0, 1e3, 0.05])
+def test_fused_apply_updates_is_bitwise_the_per_tensor_loop(max_param_change):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [[(7, 5), (7,)], [(3, 7), (3,)], [(4,), (2, 2), (6,)]]
+
+    def make():
+        g = torch.Generator().manual_seed(4)
+        return [[torch.randn(s, generator=g) for s in group] for group in shapes]
+
+    deltas = [[torch.randn(s, generator=gen) for s in group] for group in shapes]
+    coefs = [torch.tensor(-0.3), -0.01, torch.tensor(-2.0)]
+    factors = [torch.tensor(0.7), 1.0, torch.tensor(1.0)]
+    a, b = make(), make()
+    got = apply_updates([LayerUpdate(p, d, c, f) for p, d, c, f in zip(a, deltas, coefs, factors)],
+                        max_param_change)
+    want = _reference_apply([LayerUpdate(p, d, c, f) for p, d, c, f in zip(b, deltas, coefs, factors)],
+                            max_param_change)
+    assert got == want
+    for pa, pb in zip(sum(a, []), sum(b, [])):
+        assert torch.equal(pa, pb)
+
+
+def test_fused_apply_updates_skips_a_non_finite_float_coefficient():
+    p = [torch.ones(3)]
+    stats = apply_updates([LayerUpdate(p, [torch.ones(3)], float("inf"))], 0.0)
+    assert not stats.applied and torch.equal(p[0], torch.ones(3))

@@ -72,18 +72,26 @@ def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> St
     """
     if not updates:
         return StepStats(applied=True, scale=1.0)
-    device = updates[0].deltas[0].device
-    scalars = []
-    for u in updates:
-        norms = torch.stack([torch.linalg.vector_norm(d.detach()) for d in u.deltas])
-        scalars.append(norms.to(torch.float64).square().sum())
-        for value in (u.coef, u.factor):
-            scalars.append(torch.as_tensor(value, dtype=torch.float64, device=device).reshape(()))
-    values = torch.stack(scalars).tolist()  # the one host sync of a step
-    if not all(math.isfinite(v) for v in values):
+    deltas = [d.detach() for u in updates for d in u.deltas]
+    device = deltas[0].device
+    # One dispatch for all norms and one host sync for everything the decision needs: per-tensor
+    # calls cost ~3x the parameter update itself on this model (~0.6 ms of a ~22 ms CPU step).
+    # On the CPU _foreach_norm is each tensor's vector_norm, so the values are a per-tensor loop's
+    # (CUDA's fused kernel may differ in the last bits; they only feed max_param_change's scale).
+    sq = torch.stack(torch._foreach_norm(deltas)).to(torch.float64).square()
+    tensor_scalars = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                      for u in updates for v in (u.coef, u.factor) if isinstance(v, torch.Tensor)]
+    values = torch.cat([sq, torch.stack(tensor_scalars)]).tolist() if tensor_scalars else sq.tolist()
+    if not all(math.isfinite(v) for v in values):  # a non-finite float coef fails param_delta
         return StepStats(applied=False, scale=0.0)
-    sq_norms, coefs, factors = values[0::3], values[1::3], values[2::3]
-    param_delta = math.sqrt(sum(c * c * n for c, n in zip(coefs, sq_norms)))
+    sq_norms, scalars = iter(values[: len(deltas)]), iter(values[len(deltas):])
+    coefs, factors, group_sq = [], [], []
+    for u in updates:
+        # Summed in order, as torch sums two elements (every affine layer's weight and bias).
+        group_sq.append(sum(next(sq_norms) for _ in u.deltas))
+        coefs.append(next(scalars) if isinstance(u.coef, torch.Tensor) else float(u.coef))
+        factors.append(next(scalars) if isinstance(u.factor, torch.Tensor) else float(u.factor))
+    param_delta = math.sqrt(sum(c * c * n for c, n in zip(coefs, group_sq)))
     if not math.isfinite(param_delta):
         return StepStats(applied=False, scale=0.0)
     global_scale = 1.0
@@ -91,8 +99,9 @@ def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> St
         global_scale = max_param_change / param_delta
     with torch.no_grad():
         for u, coef in zip(updates, coefs):
-            for p, d in zip(u.params, u.deltas):
-                p.add_(d.to(p.dtype), alpha=coef * global_scale)
+            params = list(u.params)
+            torch._foreach_add_(params, [d.to(p.dtype) for p, d in zip(params, u.deltas)],
+                                alpha=coef * global_scale)
     return StepStats(applied=True, scale=min(factors) * global_scale)
 
 
