@@ -508,8 +508,8 @@ class RunsView(pn.viewable.Viewer):
         )
         self.tabulator.param.watch(self._on_select, "selection")
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",
-                                                label="Download CSV", button_type="default", width=150)
-        self.refresh_button = pn.widgets.Button(name="Refresh", width=100)
+                                                label="Download CSV", color="default", width=150)
+        self.refresh_button = pn.widgets.Button(label="Refresh", width=100)
         self.refresh_button.on_click(lambda _: self.refresh())
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
         self.scaling = pn.pane.HoloViews(scaling_plot([]), sizing_mode="stretch_width")
@@ -657,12 +657,12 @@ class RunControls(pn.viewable.Viewer):
     def __init__(self, settings: RunSettings, live: LiveRun, **params: Any) -> None:
         super().__init__(**params)
         self.settings, self.live = settings, live
-        self.start_button = pn.widgets.Button(name="Start", button_type="primary", sizing_mode="stretch_width")
-        self.stop_button = pn.widgets.Button(name="Stop", button_type="danger", disabled=True,
+        self.start_button = pn.widgets.Button(label="Start", color="primary", sizing_mode="stretch_width")
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", disabled=True,
                                              sizing_mode="stretch_width")
         self.follow_input = pn.widgets.TextInput(placeholder="run dir to follow",
                                                  sizing_mode="stretch_width")
-        self.follow_button = pn.widgets.Button(name="Follow", sizing_mode="stretch_width")
+        self.follow_button = pn.widgets.Button(label="Follow", sizing_mode="stretch_width")
         self.start_button.on_click(lambda _: self.live.start(self.settings))
         self.stop_button.on_click(lambda _: self.live.stop())
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))

@@ -48,13 +48,13 @@ class RerunControl(pn.viewable.Viewer):
         self.runs_dir = Path(runs_dir)
         self.cluster = cluster
         self.runs: list[tuple[str, dict[str, Any]]] = []  # (label, summary), in run order
-        self.k = pn.widgets.IntInput(name="K (minibatches between averaging rounds)",
+        self.k = pn.widgets.IntInput(label="K (minibatches between averaging rounds)",
                                      value=base.average_every, width=300)
-        self.lr = pn.widgets.FloatInput(name="learning rate per frame (before x N)",
+        self.lr = pn.widgets.FloatInput(label="learning rate per frame (before x N)",
                                         value=base.lr, width=300, format="0.[00000]")
         self.k_message = pn.pane.Markdown("", styles={"color": "#b00020"})
         self.lr_message = pn.pane.Markdown("", styles={"color": "#b00020"})
-        self.button = pn.widgets.Button(name="Run", button_type="primary", width=120)
+        self.button = pn.widgets.Button(label="Run", color="primary", width=120)
         self.status = pn.pane.Markdown("")
         self.table = pn.pane.Markdown("")
         self.plot = pn.pane.HoloViews(self._divergence(), sizing_mode="fixed")
