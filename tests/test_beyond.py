@@ -117,3 +117,13 @@ def test_method_labels_cover_every_averager(name):
     from labavg.averagers import AVERAGERS
 
     assert set(AVERAGERS) == set(beyond.METHODS) and name in beyond._LABELS
+
+
+def test_frame_accuracy_decides_where_the_seeds_agree_and_higher_is_better():
+    runs = [_run(s, 12.0, acc=0.60 + 0.01 * s) for s in (0, 1, 2)]
+    runs += [_run(s, 12.0 + (0.5, -0.5, 0.0)[s], method="bmuf", acc=0.62 + 0.01 * s)
+             for s in (0, 1, 2)]
+    answers = dict(beyond.verdicts(runs))
+    assert answers["BMUF vs model, 16 workers, K = 10"].startswith("within noise")
+    assert answers["BMUF vs model, 16 workers, K = 10, CV frame accuracy"].startswith(
+        "better: +2.00")
