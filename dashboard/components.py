@@ -426,11 +426,14 @@ def communication_plot(points: list[dict[str, Any]],
         if one_rank and one_rank.get(key) is not None:
             layers.append(hv.HLine(one_rank[key]).opts(color="gray", line_dash="dashed"))
     x = "MB sent per rank (all rounds, log scale)"
+    ticks = {"xticks": FixedTicker(ticks=[0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500,
+                                          1000])}  # bokeh's own log ticks collide (40 50 60)
     return (
+        # Legends beside the plots: the points that sent the most sit at the right edge.
         hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",
-                                          logx=True, legend_position="bottom_right"))
+                                          logx=True, legend_position="right", **ticks))
         + hv.Overlay(wer).opts(**_plot_opts("WER vs bytes sent (decoded runs)", x, "WER (%)",
-                                            logx=True, legend_position="top_right"))
+                                            logx=True, legend_position="right", **ticks))
     ).opts(shared_axes=False)
 
 
