@@ -33,7 +33,7 @@ OPTIMIZERS = ("sgd", "ngsgd")
 MAX_CHANGE_DEFAULTS = {"sgd": (0.0, 0.0), "ngsgd": (0.075, 2.0)}
 SCHEDULES = ("exponential", "newbob")
 PRETRAIN = ("none", "rbm")
-LR_SCALING = ("none", "linear")
+LR_SCALING = ("none", "sqrt", "linear")
 NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
 NEWBOB_CRITERIA = ("loss", "frame_accuracy")
 # How an averaging round combines the workers' models (labavg.averagers, docs/averaging.md).
@@ -400,8 +400,9 @@ class TrainConfig:
                         _FINITE_POSITIVE, flag="--lr")
     final_lr: float | None = setting(None, "final learning rate (default 0.01 x lr, as the paper)",
                                      _FINITE_POSITIVE, flag="--final-lr")
-    lr_scaling: str = setting("linear", "effective lr x num_jobs (linear), as the paper and Kaldi",
-                              _choice(LR_SCALING), flag="--lr-scaling")
+    lr_scaling: str = setting("linear", "effective lr x num_jobs (linear, as the paper and "
+                              "Kaldi), x sqrt(num_jobs), or none", _choice(LR_SCALING),
+                              flag="--lr-scaling")
     schedule: str = setting("exponential", "learning-rate schedule", _choice(SCHEDULES),
                             flag="--schedule")
     pretrain: str = setting("none", "initialisation", _choice(PRETRAIN), flag="--pretrain")

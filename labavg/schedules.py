@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-LR_SCALING_RULES = ("none", "linear")
+from labavg.config import LR_SCALING
 from labavg.config import NEWBOB_CRITERIA, NewbobConfig  # noqa: F401 (declared with the settings)
 
 
@@ -23,7 +23,9 @@ def scale_lr(lr: float, num_jobs: int, rule: str) -> float:
     """The learning rate each of `num_jobs` averaged workers uses.
 
     "linear" multiplies by num_jobs: averaging N models divides each worker's step by N
-    (Su & Chen 2015, Sec. 3; Kaldi nnet3 train_dnn.py uses effective_lr * num_jobs).
+    (Su & Chen 2015, Sec. 3; Kaldi nnet3 train_dnn.py uses effective_lr * num_jobs). "sqrt"
+    multiplies by sqrt(num_jobs), the rule that keeps the variance of an averaged SGD step
+    (Krizhevsky 2014), for testing whether the N-fold rate is what costs accuracy.
     """
     if num_jobs < 1:
         raise ValueError(f"num_jobs must be >= 1, got {num_jobs}")
@@ -31,7 +33,9 @@ def scale_lr(lr: float, num_jobs: int, rule: str) -> float:
         return lr
     if rule == "linear":
         return lr * num_jobs
-    raise ValueError(f"unknown learning-rate scaling rule {rule!r}; choose from {LR_SCALING_RULES}")
+    if rule == "sqrt":
+        return lr * math.sqrt(num_jobs)
+    raise ValueError(f"unknown learning-rate scaling rule {rule!r}; choose from {LR_SCALING}")
 
 
 def exponential_lr(initial: float, final: float, progress: float) -> float:

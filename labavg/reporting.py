@@ -1,0 +1,38 @@
+"""How the reproduction's report writes numbers: means over seeds, intervals, shares."""
+
+from __future__ import annotations
+
+import math
+
+from labavg.verdicts import Spread
+
+
+def num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def mean_sd(s: Spread | None, digits: int = 2) -> str:
+    if s is None:
+        return "-"
+    return num(s.mean, digits) if s.n == 1 else f"{s.mean:.{digits}f} ± {s.sd:.{digits}f}"
+
+
+def interval(s: Spread | None, digits: int = 2, sign: bool = True) -> str:
+    """"+m [+lo, +hi]", or "+m (1 seed)"."""
+    if s is None:
+        return "-"
+    fmt = f"{{:+.{digits}f}}" if sign else f"{{:.{digits}f}}"
+    if s.n < 2:
+        return fmt.format(s.mean) + " (1 seed)"
+    return f"{fmt.format(s.mean)} [{fmt.format(s.low)}, {fmt.format(s.high)}]"
+
+
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f} %"
+
+
+def words(items: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    if len(items) < 3:
+        return " and ".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
