@@ -138,7 +138,8 @@ def verdicts(runs: list[Run]) -> list[tuple[str, str]]:
                 diff, word = compare(cell, ref)
                 ratio = (_mean_mb(ref) or math.nan) / (_mean_mb(cell) or math.nan)
                 out.append((f"{_SHORT[method]} at K = {k} ({ratio:.0f}x fewer bytes) vs model at "
-                            f"K = {PAPER_K}, {ranks} workers", f"{word}: {_interval(diff)} points"))
+                            f"K = {PAPER_K}, {ranks} workers",
+                            f"{word}: {_interval(diff, 1)} % of WER"))
     return out
 
 

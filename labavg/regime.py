@@ -209,7 +209,9 @@ class Variant:
 
     @property
     def verdict(self) -> str:
-        return verdict(self.effect, None, ACCURACY_MARGIN)
+        word = verdict(self.effect, None, ACCURACY_MARGIN)
+        return {"positive": "higher accuracy", "negative": "lower accuracy",
+                "~0": "same accuracy"}.get(word, word)
 
 
 def variants(variable_runs: list[Run], map_runs: list[Run]) -> list[Variant]:

@@ -106,7 +106,9 @@ class Effect:
 
     @property
     def accuracy_verdict(self) -> str:
-        return verdict(self.accuracy, None, ACCURACY_MARGIN)
+        word = verdict(self.accuracy, None, ACCURACY_MARGIN)
+        return {POSITIVE: "the paper's direction", NEGATIVE: "against the paper",
+                ZERO: "~0"}.get(word, word)
 
     @property
     def direction(self) -> str:
@@ -301,6 +303,7 @@ def probe_section(runs: dict[str, list[Run]], base: dict[str, Any], probe: Probe
         if against is not None:
             change = spread(paired(found[against], here, "wer", log=True))
             diff, word = f"{interval(change, 1)} vs {against}", verdict(change)
+            word = {POSITIVE: "higher WER", NEGATIVE: "lower WER", ZERO: "same WER"}.get(word, word)
         lrs = [r.summary.get("trace", {}).get("epochs", [{}])[-1].get("lr") for r in here.values()
                if r.summary.get("trace", {}).get("epochs")]
         out.append(f"| {label} | {len(here)} | {mean_sd(stat(here, 'wer'))} | {diff} | {word} | "

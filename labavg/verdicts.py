@@ -128,6 +128,12 @@ def _unresolved(effect: Spread, distance: float) -> str:
         f"{UNRESOLVED}: about {max(n, effect.n + 1)} seeds would decide"
 
 
+def _to_zero_or_margin(effect: Spread, margin: float) -> float:
+    """How far the interval's half-width must shrink to decide: to exclude zero (the mean's
+    distance from it) or to fit within the margin of zero, whichever comes first."""
+    return max(abs(effect.mean), margin - abs(effect.mean))
+
+
 def verdict(effect: Spread | None, paper: float | None = None, margin: float = WER_MARGIN) -> str:
     """The rule (module docstring) on a per-seed effect's spread and the paper's effect."""
     if effect is None:
@@ -141,13 +147,13 @@ def verdict(effect: Spread | None, paper: float | None = None, margin: float = W
             return POSITIVE
         if effect.high < 0:
             return NEGATIVE
-        return _unresolved(effect, abs(effect.mean))
+        return _unresolved(effect, _to_zero_or_margin(effect, margin))
     if abs(paper) <= margin:
         if -margin <= effect.low and effect.high <= margin:
             return AS_THE_PAPER
         if effect.low > 0 or effect.high < 0:
             return LARGER
-        return _unresolved(effect, abs(effect.mean))
+        return _unresolved(effect, _to_zero_or_margin(effect, margin))
     sign = 1.0 if paper > 0 else -1.0  # orient so that the paper's effect is positive
     lo, hi = sorted((sign * effect.low, sign * effect.high))
     p, m = abs(paper), sign * effect.mean

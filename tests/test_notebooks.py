@@ -186,6 +186,9 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         shown = "".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells
                         if c.cell_type == "code" for o in c.get("outputs", []))
         assert "### Number of workers" in shown and "| corpus h | workers N |" in shown
+        # the report's first table and its one rule, from the same results
+        assert "| 32 workers vs 1 | 3 |" in shown and "**larger than the paper's**" in shown
+        assert "against the paper's effect and against zero" in shown
     if name == "09-beyond-the-paper":
         assert "K=16: gain over model in CV frame accuracy (points, one seed): bmuf " in text
         averaging = {s["config"]["averaging"] for s in _summaries(work).values()}
@@ -202,5 +205,6 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert "cdn.bokeh.org" not in html and "Bokeh.set_log_level" in html
     if name == "07-scaling-and-speedup":
         assert "16 workers lose -" in text and " points on 8 h" in text  # the regime map's
+        assert "log2 N / sqrt(updates per worker)" in text  # what predicts it
         two = _summaries(work)[work / "sweeps/07-scaling/runs/ranks_2"]
         assert two["speedup"] is not None and two["speedup"] > 0, "speedup against the 1-rank run"

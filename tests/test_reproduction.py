@@ -11,14 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from labavg.reproduction import (
-    DISCUSSION_MARKER,
-    PAIRS,
-    Run,
-    paired,
-    spread,
-    verdict,
-)
+from labavg.reproduction import DISCUSSION_MARKER, HEADLINE, PAIRS
+from labavg.results import Run, paired
+from labavg.verdicts import Spread, seeds_to_decide, spread, t_quantile, verdict
 from labavg.sweep import load_sweep
 
 from test_train import PYTHON
@@ -44,21 +39,76 @@ def test_spread_is_a_t_interval_of_the_mean():
     assert one.n == 1 and one.low == -math.inf and spread([]) is None
 
 
-def test_verdicts_come_from_the_spread_not_the_sign_of_one_difference():
-    assert verdict(spread([0.5, 0.6, 0.4]), +1) == "agrees"
-    assert verdict(spread([-0.5, -0.6, -0.4]), +1) == "disagrees"
-    assert verdict(spread([-0.5, -0.6, -0.4]), -1) == "agrees"
-    # every seed has the paper's sign, but the spread is too wide to call it
-    assert verdict(spread([0.1, 2.0, 0.05]), +1) == "within noise"
-    assert verdict(spread([1.0]), +1) == "needs 2+ seeds"
-    assert verdict(None, +1) == "not run"
+def _interval(mean, low, high, n=3):
+    """A Spread with the given interval (the sd it implies at n seeds)."""
+    return Spread(mean, (high - low) / 2 / t_quantile(0.975, n - 1) * math.sqrt(n), n, low, high)
+
+
+def test_the_rule_reads_the_interval_against_the_papers_effect_and_zero():
+    # 16 workers vs 1 (% WER): the interval excludes zero and contains the paper's +2.7
+    assert verdict(_interval(14.6, 1.2, 28.1), 2.7) == "as the paper"
+    # 32 workers: wholly above the paper's +3.4
+    assert verdict(_interval(24.7, 16.4, 33.0), 3.4) == "larger than the paper's"
+    # NG-SGD vs SGD at 1 worker, in WER points (paper +0.2) and in % (paper +1.4)
+    assert verdict(_interval(2.11, 0.22, 3.99), 0.2, margin=0.1) == "larger than the paper's"
+    assert verdict(_interval(19.5, 3.0, 36.1), 1.4) == "larger than the paper's"
+    # K = 10 vs 20: contains zero but excludes the paper's +0.7 points: smaller
+    assert verdict(_interval(-0.02, -0.08, 0.03), 0.7, margin=0.1) == "smaller than the paper's"
+    assert verdict(_interval(-0.2, -0.7, 0.3), 4.5) == "smaller than the paper's"
+    # resolved, but below the paper's effect
+    assert verdict(_interval(1.0, 0.5, 1.5), 4.5) == "smaller than the paper's"
+    assert verdict(_interval(-5.0, -7.0, -3.0), 2.0) == "opposite"
+    # a paper effect of the other sign is read the same way
+    assert verdict(_interval(-5.0, -7.0, -3.0), -4.0) == "as the paper"
+    assert verdict(_interval(5.0, 3.0, 7.0), -4.0) == "opposite"
+    # both about zero
+    assert verdict(_interval(0.1, -0.4, 0.6), 0.5) == "as the paper"
+    assert verdict(_interval(0.1, -0.4, 0.6), None) == "~0"
+    assert verdict(_interval(3.0, 2.0, 4.0), None) == "positive"
+    assert verdict(_interval(-3.0, -4.0, -2.0), None) == "negative"
+    assert verdict(spread([1.0]), 2.0) == "needs 2+ seeds" and verdict(None, 2.0) == "not run"
+
+
+def test_unresolved_says_how_many_seeds_would_decide():
+    wide = _interval(4.0, -7.2, 15.1)  # 8 workers vs 1: contains 0 and the paper's +2.7
+    word = verdict(wide, 2.7)
+    assert word.startswith("unresolved: about ") and word.endswith(" seeds would decide")
+    n = int(word.split()[2])
+
+    def half_width(k):  # at 80 % power
+        return (t_quantile(0.975, k - 1) + t_quantile(0.80, k - 1)) * wide.sd / math.sqrt(k)
+
+    # the smallest n whose interval at this spread excludes zero with 80 % power
+    assert half_width(n) <= 4.0 < half_width(n - 1) and n == seeds_to_decide(wide, 4.0) > 3
+    assert verdict(_interval(0.01, -50.0, 50.0), 2.7) == "unresolved: more than 100 seeds"
+    assert t_quantile(0.975, 40) == pytest.approx(2.021, abs=2e-3)  # beyond the table
+
+
+def test_the_log_ratio_resolves_what_plain_sgds_scale_hides():
+    # Plain SGD at 16 workers: worse on every seed, by 9.1, 21.9 and 28.8 WER points.
+    ngsgd = {s: _run(s, w) for s, w in enumerate((11.4, 11.3, 10.6))}
+    sgd = {s: _run(s, w) for s, w in enumerate((20.5, 33.2, 39.4))}
+    points = spread(paired(ngsgd, sgd, "wer"))
+    assert verdict(points, 1.2, margin=0.1).startswith("unresolved")
+    logs = paired(ngsgd, sgd, "wer", log=True)
+    assert logs == [pytest.approx(100 * math.log(b / a)) for a, b in
+                    zip((11.4, 11.3, 10.6), (20.5, 33.2, 39.4))]
+    assert verdict(spread(logs), 100 * math.log(16.3 / 15.1)) == "as the paper"
+
+
+def test_the_first_table_has_every_comparison_of_the_paper():
+    titles = [p.title for p in HEADLINE]
+    assert titles[:3] == ["8 workers vs 1", "16 workers vs 1", "32 workers vs 1"]
+    assert all(p in HEADLINE for p in PAIRS)
+    assert HEADLINE[2].paper_effect == pytest.approx(100 * math.log(15.2 / 14.7))
 
 
 def test_differences_pair_runs_of_the_same_seed():
     a = {s: _run(s, w) for s, w in [(0, 10.0), (1, 12.0), (2, 11.0)]}
     b = {s: _run(s, w) for s, w in [(0, 11.0), (2, 11.5), (3, 30.0)]}
     assert paired(a, b, "wer") == [1.0, 0.5]  # seeds 0 and 2; seed 3 has no partner
-    assert paired(a, b, "wer", relative=True) == [10.0, pytest.approx(100 * 0.5 / 11)]
+    assert paired(a, b, "wer", log=True) == [pytest.approx(100 * math.log(1.1)),
+                                             pytest.approx(100 * math.log(11.5 / 11))]
 
 
 def test_every_comparison_of_the_paper_has_its_points_in_experiments_paper_toml():
@@ -98,18 +148,22 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
             for s in (0, 1)]
     row = next(line for line in text.splitlines() if line.startswith("| 1 | 2 | "))
     assert f"{statistics.fmean(wers):.2f} ± {statistics.stdev(wers):.2f}" in row
+    words = ("as the paper", "larger than the paper's", "smaller than the paper's", "opposite",
+             "unresolved")
     for n in (8, 16, 32):
         line = next(line for line in text.splitlines() if line.startswith(f"| {n} | 2 | "))
-        assert line.split("|")[-2].strip() in ("consistent (within noise)", "agrees: loses less",
-                                               "disagrees: loses more")
-    # every comparison has a verdict decided from two seeds
-    glance = text.split("## Verdicts at a glance")[1].split("## The regime map")[0]
-    for pair in PAIRS:
+        assert line.split("|")[-2].strip().startswith(words), line
+    # the first screen: every comparison, with a verdict of the one rule from two seeds
+    glance = text.split("## Does the paper hold here?")[1].split("## What was chosen")[0]
+    for pair in HEADLINE:
         line = next(line for line in glance.splitlines() if line.startswith(f"| {pair.title} |"))
-        assert line.split("|")[2].strip() in (
-            "agrees", "disagrees", "within noise", "128 better", "256 better"), line
+        assert line.split("|")[2].strip() == "2", line
+        assert line.split("|")[-2].strip(" *").startswith(
+            words + ("128 better", "256 better", "no difference")), line
+    assert "\nHere " in glance
     # the regime map: both corpora, 1/2/4 workers, two seeds, losses with intervals
-    regime = text.split("## The regime map")[1].split("## The paper's comparisons")[0]
+    regime = text.split("## The regime: what predicts")[1].split("## Why the disagreements")[0]
+    assert "### Each candidate against the map" in regime
     rows = [line for line in regime.splitlines() if line.startswith(("| 0.03 |", "| 0.06 |"))]
     assert len(rows) == 6 and all("| 2 |" in line for line in rows)
     assert sum("[" in line for line in rows) == 4  # N = 2 and 4 on each corpus
