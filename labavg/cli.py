@@ -283,7 +283,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     sweep = load_sweep(args.sweep_file)
     recorded = None
     if args.recorded:
-        from labavg.reproduction import read_results_file
+        from labavg.results import read_results_file
 
         runs = read_results_file(Path(args.recorded)).get(Path(args.sweep_file).stem, [])
         recorded = {r.name: {"settings": r.settings, "summary": r.summary} for r in runs}

@@ -12,7 +12,8 @@ mean gets a 95 % Student-t interval. The interval is then read against the refer
 - "opposite": the interval lies wholly on the other side of zero;
 - "unresolved: about n seeds would decide": the interval contains both zero and the paper's
   effect; n is the seeds at which an interval of the measured spread, centred on the measured
-  mean, would exclude one of them with 80 % power.
+  mean, would exclude one of them (or, where the paper's effect is ~0, fit within the margin)
+  with 80 % power.
 
 Without a reference effect (a comparison the paper has no figure for, the Beyond section) the
 same interval is read against zero only: "positive", "negative", "~0" (within the margin),

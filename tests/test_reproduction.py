@@ -183,7 +183,8 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     again = report.read_text()
     assert again.endswith("A human's discussion.\n") and again.count(DISCUSSION_MARKER) == 1
     # what the notebooks read where the runs are not: the same runs, the same report
-    from labavg.reproduction import Experiments, read_results_file, render_report
+    from labavg.reproduction import Experiments, render_report
+    from labavg.results import read_results_file
 
     results = read_results_file(out / "experiments" / "reproduction-results.jsonl")
     assert len(results["paper"]) == 20 and len(results["regime"]) == 12

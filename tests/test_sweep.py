@@ -168,7 +168,7 @@ def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_pa
 
 
 def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(corpus, tmp_path):
-    from labavg.reproduction import load_runs, read_results_file, write_results_file
+    from labavg.results import load_runs, read_results_file, write_results_file
 
     spec = tmp_path / "beyond.toml"
     write_sweep(spec, corpus, 'ranks = [1, 2]')
@@ -192,7 +192,7 @@ def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(
 
 
 def test_sweep_cli_takes_a_results_file_of_recorded_runs(corpus, tmp_path):
-    from labavg.reproduction import load_runs, write_results_file
+    from labavg.results import load_runs, write_results_file
 
     spec = tmp_path / "beyond.toml"
     write_sweep(spec, corpus, 'ranks = [1]')
