@@ -169,6 +169,8 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert "(487, 40) -> (487, 200)" in text  # +-2 frames of context in small mode
         if (REPO.parent / "shared" / "data" / "kaldi-yesno").is_dir():
             assert "30 transition ids -> 11 pdfs" in text
+            # what expected answer 3 says: four transition ids for SIL's first four pdfs, two else
+            assert "pdf 0 (SIL): 4, pdf 1 (SIL): 4" in text and "pdf 5 (Y): 2" in text
             assert "train_yesno: 31 utterances, 13-dim MFCC, 11 pdfs" in text
     if name == "02-single-worker-baseline":
         result = json.loads((work / "runs/baseline-1rank/decode_test/result.json").read_text())
