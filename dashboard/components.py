@@ -599,26 +599,30 @@ class SettingsPanel(pn.viewable.Viewer):
         return settings_panel(self.settings)
 
 
+def _widget_type(parameter: param.Parameter) -> type:
+    if isinstance(parameter, param.Selector):
+        return pn.widgets.Select
+    if isinstance(parameter, param.Integer):
+        return pn.widgets.IntInput
+    if isinstance(parameter, param.Number):
+        return pn.widgets.FloatInput
+    return pn.widgets.TextInput
+
+
 def settings_panel(settings: RunSettings) -> pn.Column:
     """The controls, two to a row (so they fit at 1366x768), number boxes instead of sliders;
     under each, what is wrong with its value (RunSettings.errors), shown only when something is."""
-    number = {"type": pn.widgets.IntInput}
     names = ("preset", *SETTINGS_ORDER, "data", "runs_dir")
-    param_pane = pn.Param(
-        settings,
-        parameters=list(names),
-        widgets={
-            "ranks": number, "average_every": number, "minibatch": number, "epochs": number,
-            "momentum": {"type": pn.widgets.FloatInput, "step": 0.05, "format": "0.[0000]"},
-            "payload_bits": number,
-            "hidden_layers": number, "hidden_dim": number, "context": number,
-            "lr": {"type": pn.widgets.FloatInput, "step": 0.001, "format": "0.[00000]"},
-            "final_lr": {"type": pn.widgets.FloatInput, "step": 0.0001, "format": "0.[000000]",
-                         "placeholder": "0.01 × lr"},
-        },
-        show_name=False,
-    )
-    widgets = {name: param_pane.widget(name) for name in names}
+    # Number boxes instead of sliders, with steps and formats that suit each setting.
+    options = {
+        "momentum": {"step": 0.05, "format": "0.[0000]"},
+        "lr": {"step": 0.001, "format": "0.[00000]"},
+        "final_lr": {"step": 0.0001, "format": "0.[000000]", "placeholder": "0.01 × lr"},
+    }
+    # Widget.from_param links both ways: a preset that sets a parameter shows in its box.
+    # (pn.Param(...).widget(name) makes a fresh widget that follows the box, not the parameter.)
+    widgets = {name: _widget_type(settings.param[name]).from_param(
+        settings.param[name], **options.get(name, {})) for name in names}
     for name in ("data", "runs_dir"):
         # Checked as typed: a path is judged on each keystroke, not when the box loses focus.
         widgets[name].param.watch(lambda e, name=name: setattr(settings, name, e.new), "value_input")

@@ -7,6 +7,7 @@ tests/artifacts/dashboard.png (and dashboard-runs.png) at 1366x768.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -388,3 +389,29 @@ def test_the_momentum_box_is_used_only_by_a_method_that_has_one(page, served):
     _wait_for(lambda: not page.get_by_text("diloco.momentum must be").count(), 30, "the message to go")
     page.get_by_label("averaging method", exact=True).select_option("model")
     _wait_for(lambda: momentum.is_disabled(), 30, "the momentum box to be disabled")
+
+
+def test_a_preset_shows_in_its_boxes_and_the_server_trains_what_they_show(page, served):
+    """Preset "teaching", then ranks and epochs edited: the boxes show the preset's model, and
+    the run the server starts has exactly what the boxes show (not the preset's epochs)."""
+    _, runs = served
+    page.get_by_label("preset", exact=True).select_option("teaching")
+    from labavg.config import PRESETS
+
+    teaching = PRESETS["teaching"]
+    boxes = {"hidden layers": "model.hidden_layers", "hidden units": "model.hidden_dim",
+             "epochs": "epochs"}
+    for label, key in boxes.items():
+        want = str(teaching[key])
+        _wait_for(lambda: page.get_by_label(label, exact=True).input_value() == want, 30,
+                  f"the {label} box to show the preset's {want}")
+    _set_number(page, "ranks", 2)
+    _set_number(page, "epochs", 1)
+    _set_number(page, "minibatch", 64)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-preset.png"))
+    name = _start(page)
+    _finish(page, name, ranks=2)
+    cfg = json.loads((runs / name / "summary.json").read_text())["config"]
+    assert (cfg["ranks"], cfg["epochs"], cfg["minibatch"]) == (2, 1, 64)
+    assert (cfg["model"]["hidden_layers"], cfg["model"]["hidden_dim"]) == (
+        teaching["model.hidden_layers"], teaching["model.hidden_dim"])
