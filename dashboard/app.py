@@ -49,9 +49,13 @@ class Dashboard:
         self.live.param.watch(lambda _: self.runs.refresh(), "running")
         self._ticks = 0
         self.runs.refresh()
+        self.live.attach()  # a reload, or a second page, shows the server's run in progress
 
     def tick(self) -> None:
-        """The periodic update: drain the run's events into the plots, rescan runs now and then."""
+        """The periodic update: drain the run's events into the plots, rescan runs now and then;
+        a run another page starts comes on screen here too."""
+        if not self.live.running:
+            self.live.attach()
         self.live.drain()
         self.plots.update()
         self._ticks += 1

@@ -229,6 +229,27 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
                    predicted=predicted, predicted_from=source if predicted else "", note=note)
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A run started from a page of this server: what a reloaded or second page attaches to."""
+
+    run_dir: str
+    stop: threading.Event
+
+
+# The server's runs in progress, by run directory. Sessions come and go (a reload is a new
+# session); the run's thread does not, so every page must find it here, and Start anywhere
+# must see it before a second run starts beside it.
+_JOBS: dict[str, Job] = {}
+_JOBS_LOCK = threading.Lock()
+
+
+def active_job() -> Job | None:
+    """A run in progress on this server, if any."""
+    with _JOBS_LOCK:
+        return next(iter(_JOBS.values()), None)
+
+
 class LiveRun(param.Parameterized):
     """The run on screen. `start` trains on a worker thread; `follow` tails a run directory.
 
@@ -254,6 +275,7 @@ class LiveRun(param.Parameterized):
         self._outcome: queue.SimpleQueue = queue.SimpleQueue()
         self._tail: EventTail | None = None
         self._summary: dict[str, Any] | None = None
+        self._job: Job | None = None  # the server's run this page follows (started elsewhere)
         # The summary of the finished 1-rank run the run on screen is measured against.
         self.baseline: dict[str, Any] | None = None
 
@@ -263,6 +285,12 @@ class LiveRun(param.Parameterized):
         """Start a run with `settings` on a worker thread; False (and a status) when it cannot."""
         if self.running:
             self.status = "A run is already in progress; stop it first."
+            return False
+        job = active_job()
+        if job is not None:
+            self.status = (f"{Path(job.run_dir).name} is training (started from another page); "
+                           "it is on screen, stop it first.")
+            self.attach()
             return False
         try:
             problem = settings.check()
@@ -286,7 +314,10 @@ class LiveRun(param.Parameterized):
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
         self.baseline = find_throughput_baseline(out, self.config)
         launcher = "threads" if backend == "in-process workers" else "engines"
-        self._thread = threading.Thread(target=self._drive, args=(cfg, launcher), daemon=True,
+        job = Job(str(out), self._stop)
+        with _JOBS_LOCK:
+            _JOBS[job.run_dir] = job
+        self._thread = threading.Thread(target=self._drive, args=(cfg, launcher, job), daemon=True,
                                         name="labavg-dashboard-run")
         self.running = True
         what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.averaging_interval()}"
@@ -309,6 +340,9 @@ class LiveRun(param.Parameterized):
         if self.running and self.mode == "live":
             self._stop.set()
             self.status = "Stopping at the next averaging round…"
+        elif self.mode == "monitor" and self._job is not None and self.running:
+            self._job.stop.set()  # the run goes on being followed until its summary is written
+            self.status = f"Stopping {Path(self._job.run_dir).name} at the next averaging round…"
         elif self.mode == "monitor":
             self.mode = "idle"
             self.running = False
@@ -332,8 +366,15 @@ class LiveRun(param.Parameterized):
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
 
-    def _drive(self, cfg: TrainConfig, launcher: str) -> None:
+    def _drive(self, cfg: TrainConfig, launcher: str, job: Job) -> None:
         """On the worker: start the run, relay its events, pass on a stop; report the outcome."""
+        try:
+            self._train(cfg, launcher)
+        finally:
+            with _JOBS_LOCK:
+                _JOBS.pop(job.run_dir, None)
+
+    def _train(self, cfg: TrainConfig, launcher: str) -> None:
         from labavg.launch import start_run
 
         handle = None
@@ -357,6 +398,16 @@ class LiveRun(param.Parameterized):
 
     # -- monitor mode ----------------------------------------------------------------------
 
+    def attach(self) -> bool:
+        """Follow the server's run in progress, with Stop (a reloaded or second page); False
+        when there is none or this page shows a run of its own."""
+        job = active_job()
+        if job is None or (self.running and self.mode == "live") or (
+                self._job is job and self.running) or (Path(job.run_dir) / SUMMARY).is_file():
+            return False
+        self._follow(Path(job.run_dir), job)
+        return True
+
     def follow(self, run_dir: str | Path) -> bool:
         """Follow a run directory another process (CLI, cluster) is writing; False if it is none."""
         run_dir = Path(run_dir).expanduser()
@@ -366,12 +417,18 @@ class LiveRun(param.Parameterized):
         if not run_dir.is_dir():
             self.status = f"Cannot follow {run_dir}: not a directory"
             return False
+        self._follow(run_dir, None)
+        return True
+
+    def _follow(self, run_dir: Path, job: Job | None) -> None:
+        # A job's directory may not exist yet: its run creates it when it starts.
         self._reset(1, {}, str(run_dir), "monitor")
+        self._job = job
         self._tail = EventTail(run_dir / EVENTS)
         self.running = True
-        self.status = f"Following {run_dir} (waiting for {CONFIG})…"
+        self.status = (f"Running {run_dir.name} (started from another page)…" if job
+                       else f"Following {run_dir} (waiting for {CONFIG})…")
         self._poll_monitor()
-        return True
 
     def _poll_monitor(self) -> None:
         run_dir = Path(self.run_dir)
@@ -384,13 +441,15 @@ class LiveRun(param.Parameterized):
             self.baseline = find_throughput_baseline(run_dir, config)
             self.config = config
             self.generation += 1
-            self.status = f"Following {run_dir}…"
+            self.status = (f"Running {run_dir.name} (started from another page)…" if self._job
+                           else f"Following {run_dir}…")
         for event in self._tail.read():
             self._events.put(event)
         if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:
             self.running = False
             self.mode = "idle"
-            self.status = f"Finished: {run_dir.name} — {_finish_text(self.buffers.finished)}"
+            word = "Stopped" if self.buffers.finished.get("stopped") else "Finished"
+            self.status = f"{word}: {run_dir.name} — {_finish_text(self.buffers.finished)}"
 
     # -- the UI thread's periodic work -----------------------------------------------------
 

@@ -415,3 +415,33 @@ def test_a_preset_shows_in_its_boxes_and_the_server_trains_what_they_show(page, 
     assert (cfg["ranks"], cfg["epochs"], cfg["minibatch"]) == (2, 1, 64)
     assert (cfg["model"]["hidden_layers"], cfg["model"]["hidden_dim"]) == (
         teaching["model.hidden_layers"], teaching["model.hidden_dim"])
+
+
+def test_a_reload_and_a_second_page_find_the_run_and_keep_stop(page, served):
+    """Reloading mid-run, and a second page, show the server's run live with Stop, and Start
+    stays off; Stop from the reloaded page stops that run."""
+    _, runs = served
+    _set_number(page, "hidden layers", 1)
+    _set_number(page, "hidden units", 64)
+    _set_number(page, "minibatch", 64)
+    _set_number(page, "epochs", 200)
+    _set_number(page, "ranks", 2)
+    name = _start(page)
+    page.reload()
+    page.get_by_role("button", name="Start").wait_for(timeout=180000)
+    _wait_for(lambda: _on_screen(page) == name, 60, "the running run on the reloaded page")
+    assert page.get_by_text("started from another page").count() > 0
+    stop = page.get_by_role("button", name="Stop")
+    _wait_for(lambda: stop.is_enabled() and _start_disabled(page), 30, "Stop on, Start off")
+    other = page.context.browser.new_page(viewport={"width": 1366, "height": 768})
+    try:
+        other.goto(page.url, timeout=180000)
+        other.get_by_role("button", name="Start").wait_for(timeout=180000)
+        _wait_for(lambda: _on_screen(other) == name, 60, "the run on a second page")
+        assert other.get_by_role("button", name="Stop").is_enabled()
+        other.screenshot(path=str(ARTIFACTS / "dashboard-second-page.png"))
+    finally:
+        other.close()
+    stop.click()
+    _wait_for(lambda: page.get_by_text(f"Stopped: {name}").count() > 0, 120, f"{name} to stop")
+    assert json.loads((runs / name / "summary.json").read_text())["stopped"] is True

@@ -300,6 +300,44 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert not live.running
 
 
+def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_path):
+    """A reload is a new session: it finds the run the server is training, refuses a second
+    Start beside it, and its Stop stops that run."""
+    from dashboard.live import active_job
+
+    first = LiveRun()
+    assert first.start(tiny_settings(corpus, tmp_path, epochs=50))
+    second = LiveRun()
+    try:
+        assert second.attach() and second.running and second.mode == "monitor"
+        assert second.run_dir == first.run_dir and "started from another page" in second.status
+        assert second.start(tiny_settings(corpus, tmp_path)) is False
+        assert "already in progress" in second.status
+        third = LiveRun()  # a page that has not attached yet: Start shows the run instead
+        assert third.start(tiny_settings(corpus, tmp_path)) is False
+        assert "started from another page" in third.status and third.run_dir == first.run_dir
+        deadline = time.monotonic() + 60
+        while second.buffers.last_step < 4:
+            assert time.monotonic() < deadline and second.running, second.status
+            second.drain()
+            first.drain()
+            time.sleep(0.05)
+        second.stop()
+        assert second.status.startswith("Stopping ")
+        assert first.join(60)
+        run_to_end(first)
+        while second.running:
+            assert time.monotonic() < deadline + 60, second.status
+            second.drain()
+            time.sleep(0.05)
+    finally:
+        first.stop()
+        first.join(60)
+    assert json.loads((Path(first.run_dir) / "summary.json").read_text())["stopped"] is True
+    assert second.status.startswith("Stopped:") and first.status.startswith("Stopped:")
+    assert active_job() is None and not second.attach()
+
+
 def test_a_second_start_while_running_is_refused(corpus, tmp_path):
     live = LiveRun()
     assert live.start(tiny_settings(corpus, tmp_path, epochs=50))
