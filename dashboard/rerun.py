@@ -43,6 +43,8 @@ class RerunControl(pn.viewable.Viewer):
 
     def __init__(self, base: TrainConfig, runs_dir: str | Path, cluster: Any = None, **params: Any):
         super().__init__(**params)
+        if cluster is not None:
+            cluster.check_open()  # after cluster.shutdown(): one line, before anything is read
         load_backend()
         self.base = base
         self.runs_dir = Path(runs_dir)

@@ -221,9 +221,16 @@ class Cluster:
         """ipyparallel engine ids, in rank order."""
         return [info["engine_id"] for info in self._infos]
 
+    def check_open(self) -> None:
+        """UserError (one line, what to do) once the engines were shut down."""
+        if self._closed:
+            raise UserError("the engines were shut down (cluster.shutdown()); start them again "
+                            "with Cluster.start (rerun that cell), then this one")
+
     @property
     def view(self):
         """A blocking DirectView on the engines in rank order (`view.activate()` for %px)."""
+        self.check_open()
         view = self.client[self.engine_ids]
         view.block = True
         return view
@@ -273,6 +280,7 @@ class Cluster:
         `resume` continues cfg.out from its last checkpoint.
         `silence_timeout`: seconds without a heartbeat after which an engine counts as dead.
         """
+        self.check_open()
         if cfg.backend != "mpi":
             raise UserError(f"a cluster runs backend 'mpi'; the config has backend {cfg.backend!r}")
         if cfg.ranks not in (1, len(self._infos)):

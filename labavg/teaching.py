@@ -172,3 +172,22 @@ def load_plotting(panel: bool = False) -> None:
 
         pn.extension(inline=True)
     hv.extension("bokeh", inline=True)
+    show_user_errors_in_one_line()
+
+
+def show_user_errors_in_one_line() -> None:
+    """In IPython, a UserError (a bad value, engines already shut down) prints its one line
+    instead of a traceback, as the CLI does: a class rerunning a cell after Run All reads
+    what to do, not forty lines of someone else's stack."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def one_line(shell, etype, value, tb, tb_offset=None):
+        print(f"{etype.__name__}: {value}")
+
+    shell.set_custom_exc((UserError,), one_line)
