@@ -190,7 +190,7 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     assert len(results["paper"]) == 20 and len(results["regime"]) == 12
     assert len(results["explain"]) == 8 and len(results["mpi"]) == 3
     remade = render_report(results, Experiments(out / "experiments"), command="x", seconds=0,
-                           figure=None, report=report)
+                           figure=figure, report=report)
     ours = again.split("## The paper's comparisons")[1].split("## Speedup")[0]
     assert ours in remade
 
