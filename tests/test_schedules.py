@@ -22,8 +22,9 @@ def test_scale_lr_rules():
     assert scale_lr(0.008, 4, "none") == 0.008
     assert scale_lr(0.008, 4, "linear") == pytest.approx(0.032)
     assert scale_lr(0.008, 1, "linear") == 0.008
-    with pytest.raises(ValueError, match="sqrt"):
-        scale_lr(0.008, 4, "sqrt")
+    assert scale_lr(0.008, 4, "sqrt") == pytest.approx(0.016)
+    with pytest.raises(ValueError, match="cube"):
+        scale_lr(0.008, 4, "cube")
     with pytest.raises(ValueError, match="num_jobs"):
         scale_lr(0.008, 0, "linear")
 

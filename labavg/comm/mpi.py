@@ -35,6 +35,9 @@ def query_cuda_aware(mpi: Any) -> bool:
         return False
 
 
+ABORT_FLUSH_SECONDS = 1.0
+
+
 class MpiCommunicator:
     """This process's rank in an MPI communicator (COMM_WORLD unless one is given)."""
 
@@ -151,8 +154,13 @@ class MpiCommunicator:
         """
         import sys
 
+        import time
+
         if not quiet:
             print(f"labavg: {reason}; aborting all {self.size} MPI ranks", file=sys.stderr, flush=True)
+        # hydra's proxy relays a rank's stderr from a pipe; MPI_Abort has it killed at once, so a
+        # line printed just before could be lost (seen in about 1 of 3 runs on 2 busy cores).
+        time.sleep(ABORT_FLUSH_SECONDS)
         self._comm.Abort(code)
         import os
 
