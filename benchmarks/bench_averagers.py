@@ -22,7 +22,7 @@ import torch
 
 
 def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
-    from labavg.averagers import AVERAGERS
+    from labavg.averaging.methods import AVERAGERS
     from labavg.comm.inproc import run_inproc
 
     out = {}
@@ -57,8 +57,8 @@ RUNS = [
 
 
 def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
-    from labavg.config import TrainConfig, validate, with_overrides
-    from labavg.runs import run_training
+    from labavg.base.config import TrainConfig, validate, with_overrides
+    from labavg.jobs.runs import run_training
 
     base = {"data.data": data, "ranks": 4, "average_every": 10, "epochs": 2, "seed": seed,
             "model.hidden_layers": 2, "model.hidden_dim": 128, "tensorboard": False}

@@ -6,8 +6,8 @@
 NODES emulated nodes of PER_NODE MPICH ranks each (scripts/emulated-nodes.sh up NODES RATE:
 network namespaces, veth links shaped by tbf; root), so ranks of one node share memory and
 ranks of different nodes talk over the shaped links. For float32 buffers of 1, 4 and 16 MB,
-every rank times (a) a node round, `labavg.averaging.average_parameters` on the communicator
-`hierarchy.node_size = 0` finds (`labavg.averagers.node_communicator`: MPI_Comm_split_type,
+every rank times (a) a node round, `labavg.averaging.mean.average_parameters` on the communicator
+`hierarchy.node_size = 0` finds (`labavg.averaging.hierarchy.node_communicator`: MPI_Comm_split_type,
 shared memory), and (b) a round over all ranks, what every round of a flat run is. Each
 repetition starts at a barrier and lasts for its slowest rank; the tables give medians after
 two warm-up repetitions, and what a run averaging within nodes every K1 = 10 minibatches and
@@ -41,8 +41,8 @@ def worker(sizes: list[int], reps: int, per_node: int, out: Path) -> None:
     import torch
     from mpi4py import MPI
 
-    from labavg.averagers import node_communicator
-    from labavg.averaging import average_parameters
+    from labavg.averaging.hierarchy import node_communicator
+    from labavg.averaging.mean import average_parameters
     from labavg.comm.mpi import MpiCommunicator
 
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ median of --reps repetitions after two warm-up ones. Links:
 
 alpha and beta of each link and rank count are then fitted by least squares on relative error
 to the alpha-beta formula of MPICH's allreduce for large buffers (Rabenseifner,
-`2 lg p alpha + 2 (p-1)/p n beta`; labavg.costmodel.fit_network), once to every size and once
+`2 lg p alpha + 2 (p-1)/p n beta`; labavg.studies.costmodel.fit_network), once to every size and once
 to sizes >= 1 MB (what averaging a real model moves, and above tbf's bucket), and each
 measurement is shown against both. --train adds a 2-rank training run on loopback and across
 1 Gb/s nodes, and compares the communication and epoch time the cost model predicts from the
@@ -53,7 +53,7 @@ def worker(sizes: list[int], reps: int, out: Path) -> None:
     import torch
     from mpi4py import MPI
 
-    from labavg.averaging import average_parameters
+    from labavg.averaging.mean import average_parameters
     from labavg.comm.mpi import MpiCommunicator
 
     torch.set_num_threads(1)
@@ -190,7 +190,7 @@ def fit(results: dict[str, dict], min_bytes: int = 0,
     Rank counts are fitted apart: on a machine with fewer cores than ranks the extra ranks
     measure the scheduler, not the link.
     """
-    from labavg.costmodel import LinkSample, fit_network
+    from labavg.studies.costmodel import LinkSample, fit_network
 
     fits = {}
     for link, entry in results.items():
@@ -241,7 +241,7 @@ def size_tables(results: dict[str, dict], every: dict[str, dict], large: dict[st
             tail = f" / {big[0]['error_pct']:+.0f} %" if big else ""
             cells.append(f"{a['measured_s'] * 1e3:.2f} ({a['error_pct']:+.0f} %{tail})")
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
-    lines += ["", "Whole averaging round (labavg.averaging.average_parameters), ms: median", "",
+    lines += ["", "Whole averaging round (labavg.averaging.mean.average_parameters), ms: median", "",
               head, rule]
     for i, n in enumerate(SIZES):
         lines.append(f"| {_size(n)} | " + " | ".join(
@@ -271,7 +271,7 @@ def train_check(fits: dict[str, dict], tmp: Path, reps: int) -> dict:
     """2-rank runs on loopback and across 1 Gb/s nodes, interleaved `reps` times; the cost
     model's communication and epoch time, predicted from the loopback runs and the fitted
     link, against the medians measured across the nodes."""
-    from labavg.costmodel import Network, allreduce_seconds, from_summary, predict
+    from labavg.studies.costmodel import Network, allreduce_seconds, from_summary, predict
     from labavg.data.synth import synthesize
 
     corpus = tmp / "corpus"

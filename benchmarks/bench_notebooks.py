@@ -30,7 +30,7 @@ import nbformat
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from labavg import teaching  # noqa: E402
+from labavg.studies import teaching  # noqa: E402
 
 
 def kernel_spec(root: Path) -> str:

@@ -1,4 +1,4 @@
-"""Overlap (labavg.overlap) on MPICH: the seconds a round holds a rank, blocking vs eager vs
+"""Overlap (labavg.averaging.overlap) on MPICH: the seconds a round holds a rank, blocking vs eager vs
 streaming, with and without MPICH's asynchronous progress thread.
 
     .venv/bin/python benchmarks/bench_overlap.py [--params 2500000] [--rounds 12] [--k 5]
@@ -65,9 +65,9 @@ def _compute(flat, work):
 def _rank(args) -> None:
     import torch
 
-    from labavg.averagers import ALL, Averager
+    from labavg.averaging.methods import ALL, Averager
     from labavg.comm.world import open_communicator
-    from labavg.overlap import OVERLAP, OverlapAverager, fragment_bounds
+    from labavg.averaging.overlap import OVERLAP, OverlapAverager, fragment_bounds
 
     torch.set_num_threads(1)
     comm = open_communicator("mpi")

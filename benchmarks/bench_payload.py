@@ -5,7 +5,7 @@
 
 The script starts itself under mpiexec (`labavg.comm.launchers.mpiexec_command`). Each rank
 holds a float32 parameter buffer of `--params` values and, for each payload (fp32, bf16,
-fp16, int16, int8, int4; labavg.payload), runs plain-averaging rounds (`Averager.round`):
+fp16, int16, int8, int4; labavg.averaging.payload), runs plain-averaging rounds (`Averager.round`):
 before each round the buffer gets a fresh small change, as a block of training would give it;
 then a barrier, the round, this rank's seconds. A round's time is the slowest rank's; the
 figure is the median over `--reps` rounds after two warm-up rounds, the payloads interleaved
@@ -37,7 +37,7 @@ def name(payload: str, bits: int) -> str:
 def worker(params: int, reps: int, out: Path) -> None:
     import torch
 
-    from labavg.averagers import Averager
+    from labavg.averaging.methods import Averager
     from labavg.comm.world import open_communicator
 
     torch.set_num_threads(1)

@@ -157,7 +157,7 @@ def _size_text(n: int) -> str:
 
 def table(jobs: list[dict], alpha: float, beta: float) -> str:
     from labavg.comm.reduce import COST_MODEL
-    from labavg.costmodel import allreduce_seconds
+    from labavg.studies.costmodel import allreduce_seconds
 
     lines = ["| ranks | buffer | " + " | ".join(f"{a} ms (x model)" for a in ALGORITHMS) + " |",
              "|---|---|" + "---|" * len(ALGORITHMS)]

@@ -21,7 +21,7 @@ import time
 def _rank(rounds: int, params: int) -> None:
     import torch
 
-    from labavg.averaging import average_parameters
+    from labavg.averaging.mean import average_parameters
     from labavg.comm.mpi import MpiCommunicator
 
     torch.set_num_threads(1)

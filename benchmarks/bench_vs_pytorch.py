@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vs_pytorch.py [--hours 1] [--epochs 3] [--json out.json]
 
-Side by side, on the same built-in corpus and the same DNN (labavg.model.DNN, the default
+Side by side, on the same built-in corpus and the same DNN (labavg.training.model.DNN, the default
 ModelConfig, the same initial parameters and input normalisation), 2 ranks each:
 
 * ddp-adam: torchrun + DistributedDataParallel (gloo) + torch.optim.Adam(lr 1e-3) on the mean
@@ -17,7 +17,7 @@ ModelConfig, the same initial parameters and input normalisation), 2 ranks each:
 The PyTorch ranks read exactly the minibatches labavg's ranks read (labavg.data: split_cv,
 FrameBatches with labavg's seed, shard and steps per epoch; cv_batches for CV), so what differs
 is training, not data pipelines. Every process runs one torch thread (labavg's default) and
-glibc's malloc settings of labavg.train.keep_freed_memory.
+glibc's malloc settings of labavg.training.trainer.keep_freed_memory.
 Reported per epoch: wall seconds (training plus the CV pass, as labavg's EpochDone.seconds)
 and the CV frame accuracy of the averaged / synchronised model.
 """
@@ -46,11 +46,11 @@ def _worker(method: str, corpus: str, epochs: int, result: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from labavg.config import TrainConfig
+    from labavg.base.config import TrainConfig
     from labavg.data.dataset import open_dataset
     from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
-    from labavg.model import DNN
-    from labavg.train import keep_freed_memory
+    from labavg.training.model import DNN
+    from labavg.training.trainer import keep_freed_memory
 
     torch.set_num_threads(1)
     keep_freed_memory()  # labavg's ranks run with it; the comparison is of training, not malloc

@@ -1,4 +1,4 @@
-"""The run on screen: started here through labavg.launch, or followed from its run directory.
+"""The run on screen: started here through labavg.jobs.launch, or followed from its run directory.
 
 Every blocking thing (training, starting MPI engines) happens on a worker thread, and the UI
 thread drains what the worker queued in a periodic callback (`LiveRun.drain`).
@@ -24,10 +24,10 @@ import numpy as np
 import param
 
 from dashboard.settings import RunSettings, new_run_dir
-from labavg.config import TrainConfig, to_dict
-from labavg.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
-from labavg.errors import UserError, one_line, user_error_of
-from labavg.index import (
+from labavg.base.config import TrainConfig, to_dict
+from labavg.studies.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
+from labavg.base.errors import UserError, one_line, user_error_of
+from labavg.jobs.index import (
     CONFIG,
     EVENTS,
     SUMMARY,
@@ -121,7 +121,7 @@ class RunBuffers:
         self.round_steps = 0  # rank 0's minibatches up to its last averaging round
 
     def add(self, event: dict[str, Any]) -> None:
-        """Route one event dict (labavg.events) into the buffers."""
+        """Route one event dict (labavg.base.events) into the buffers."""
         kind, rank = event.get("type"), event.get("rank", 0)
         if kind == "minibatch":
             self.loss.add(rank, event["step"], event["loss"])
@@ -193,7 +193,7 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
     Speedup = frames/s of this run (all ranks) / frames/s of the baseline, both over training
     time (compute + averaging); the baseline may differ in K, learning rate, schedule and
     epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The
-    prediction (`labavg.costmodel.predict`, one rank per machine on PREDICTION_NETWORK) uses
+    prediction (`labavg.studies.costmodel.predict`, one rank per machine on PREDICTION_NETWORK) uses
     the baseline's measured costs when there is one, else this run's.
     """
     ranks = int(config.get("ranks", buffers.ranks) or 1)
@@ -375,7 +375,7 @@ class LiveRun(param.Parameterized):
                 _JOBS.pop(job.run_dir, None)
 
     def _train(self, cfg: TrainConfig, launcher: str) -> None:
-        from labavg.launch import start_run
+        from labavg.jobs.launch import start_run
 
         handle = None
         try:

@@ -17,9 +17,9 @@ import pandas as pd
 import panel as pn
 
 from dashboard.components import load_backend
-from labavg.config import TrainConfig, check_setting, validate, with_overrides
-from labavg.errors import UserError
-from labavg.runs import format_table, read_events, run_training
+from labavg.base.config import TrainConfig, check_setting, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.jobs.runs import format_table, read_events, run_training
 
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 

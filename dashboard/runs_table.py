@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import param
 
-from labavg.index import (
+from labavg.jobs.index import (
     EVENTS,
     differing_labels,
     fill_speedups,
@@ -30,7 +30,7 @@ TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %"
 
 
 def _table_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The dashboard's columns of a `labavg.index.run_row`: percentages, short names."""
+    """The dashboard's columns of a `labavg.jobs.index.run_row`: percentages, short names."""
 
     def pct(value):
         return None if value is None else round(100 * value, 2)
@@ -44,7 +44,7 @@ def _table_row(row: dict[str, Any]) -> dict[str, Any]:
         "wer_pct": row["wer"], "per_pct": row["per"],
         "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
         "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
-        # Per rank, all rounds (what one rank sent; labavg.averaging's bytes_sent).
+        # Per rank, all rounds (what one rank sent; labavg.averaging.mean's bytes_sent).
         "mb_sent": None if row["bytes_sent"] is None else row["bytes_sent"] / 1e6,
         "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
     }
@@ -91,7 +91,7 @@ class RunTable(param.Parameterized):
 
         x is frames over all ranks (step x minibatch x ranks) so runs with different numbers
         of ranks line up; the label names the settings that differ between the selected runs
-        ("n2 K=50 lr 0.016", `labavg.index.differing_labels`).
+        ("n2 K=50 lr 0.016", `labavg.jobs.index.differing_labels`).
         """
         root = Path(self.runs_dir).expanduser()
         selected = [name for name in self.selected if name in self._configs]

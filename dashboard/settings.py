@@ -1,7 +1,7 @@
 """The dashboard's controls of the next run, generated from the settings' schema.
 
 Each control names a TrainConfig setting: its type, choices, help text and default come from
-`labavg.config` (where the setting is declared), so the dashboard starts with the CLI's run.
+`labavg.base.config` (where the setting is declared), so the dashboard starts with the CLI's run.
 The dashboard adds only its label. Values are not bounded here: a bad value is kept, so that
 the page can say what is wrong with it (`RunSettings.errors`, in `check_setting`'s words,
 the CLI's) instead of quietly putting the old value back.
@@ -16,7 +16,7 @@ from typing import Any
 
 import param
 
-from labavg.config import (
+from labavg.base.config import (
     PRESETS,
     TrainConfig,
     _field_types,
@@ -27,8 +27,8 @@ from labavg.config import (
     with_overrides,
 )
 from labavg.data.dataset import check_data_source
-from labavg.errors import UserError
-from labavg.index import effective_k
+from labavg.base.errors import UserError
+from labavg.jobs.index import effective_k
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 # dotted TrainConfig key of each control, by the control's name (the key's last part)
@@ -84,7 +84,7 @@ class RunSettings(param.Parameterized):
 
     preset = param.Selector(default=DEFAULTS, objects=[DEFAULTS, *PRESETS], label="preset",
                             doc="defaults: TrainConfig's (labavg train's); a named preset "
-                                "(labavg.config.PRESETS) changes what is trained, not ranks or K")
+                                "(labavg.base.config.PRESETS) changes what is trained, not ranks or K")
     backend = param.Selector(default=_backend_label(TrainConfig.backend), objects=list(BACKEND_LABELS),
                              label="backend",
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")

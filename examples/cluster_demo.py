@@ -1,4 +1,4 @@
-"""Notebook-style demo of labavg.cluster: 2 MPI engines, two runs back to back, live events.
+"""Notebook-style demo of labavg.jobs.cluster: 2 MPI engines, two runs back to back, live events.
 
 Run it with the project's venv from the repository root:
 
@@ -14,10 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from labavg.cluster import Cluster
-from labavg.config import DataConfig, TrainConfig
+from labavg.jobs.cluster import Cluster
+from labavg.base.config import DataConfig, TrainConfig
 from labavg.data.synth import synthesize
-from labavg.model import ModelConfig
+from labavg.training.model import ModelConfig
 
 work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="labavg-cluster-"))
 corpus = work / "corpus"

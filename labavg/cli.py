@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labavg.errors import PeerFailed, UserError, one_line, user_error_of
+from labavg.base.errors import PeerFailed, UserError, one_line, user_error_of
 
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
@@ -28,10 +28,10 @@ def _add_train_parser(sub) -> None:
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
     )
-    from labavg.config import cli_flags
+    from labavg.base.config import cli_flags
 
     p.add_argument("config", nargs="?", help="TOML configuration file")
-    for flag in cli_flags():  # declared with the settings (labavg.config)
+    for flag in cli_flags():  # declared with the settings (labavg.base.config)
         if flag.kind is bool:
             p.add_argument(flag.flag, dest=_dest(flag), action="store_true", help=flag.help)
         else:
@@ -45,7 +45,7 @@ def _add_train_parser(sub) -> None:
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # How a launcher (labavg.launch) hands its ranks their configuration: not for people.
+    # How a launcher (labavg.jobs.launch) hands its ranks their configuration: not for people.
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
@@ -186,8 +186,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.config import TrainConfig, cli_flags, load_config, validate, with_overrides
-    from labavg.runs import load_config_of
+    from labavg.base.config import TrainConfig, cli_flags, load_config, validate, with_overrides
+    from labavg.jobs.runs import load_config_of
 
     if args.resume:
         cfg = load_config_of(Path(args.resume))
@@ -210,11 +210,11 @@ def train_config(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher, launcher_rank
-    from labavg.launch import JobFailed, rank_config, start_run
-    from labavg.runs import format_table, run_training
+    from labavg.jobs.launch import JobFailed, rank_config, start_run
+    from labavg.jobs.runs import format_table, run_training
 
     try:
-        if args.config_json:  # a rank of a job labavg.launch started
+        if args.config_json:  # a rank of a job labavg.jobs.launch started
             cfg, resume, stop_file = rank_config(args.config_json)
         else:
             cfg, resume, stop_file = train_config(args), bool(args.resume), None
@@ -253,7 +253,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from labavg.reproduction import reproduce
+    from labavg.studies.reproduction.report import reproduce
 
     if args.parallel < 1:
         raise UserError(f"--parallel must be >= 1, got {args.parallel}")
@@ -261,7 +261,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     out, experiments, report = Path(args.out), Path(args.experiments), Path(args.report)
     figure = Path(args.figure) if args.figure else None
     if args.tiny:
-        from labavg.reproduction import tiny_experiments
+        from labavg.studies.reproduction.report import tiny_experiments
 
         for name in ("paper.toml", "regime.toml"):
             if not (experiments / name).is_file():
@@ -278,12 +278,12 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from labavg.sweep import load_sweep, run_sweep
+    from labavg.studies.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.sweep_file)
     recorded = None
     if args.recorded:
-        from labavg.results import read_results_file
+        from labavg.studies.reproduction.results import read_results_file
 
         runs = read_results_file(Path(args.recorded)).get(Path(args.sweep_file).stem, [])
         recorded = {r.name: {"settings": r.settings, "summary": r.summary} for r in runs}
@@ -336,7 +336,7 @@ def _runs_under(path: str) -> list[Path]:
     """`path` if it is a run, else every run below it (a run's own subfolders are not searched)."""
     import re
 
-    from labavg.index import CONFIG, SUMMARY
+    from labavg.jobs.index import CONFIG, SUMMARY
 
     top = Path(path)
     if not top.exists():
@@ -359,8 +359,8 @@ def _runs_under(path: str) -> list[Path]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from labavg.index import CONFIG, SUMMARY, read_json
-    from labavg.runs import format_table, read_summary
+    from labavg.jobs.index import CONFIG, SUMMARY, read_json
+    from labavg.jobs.runs import format_table, read_summary
 
     run_dirs, seen = [], set()
     for path in args.run_dirs:
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         user = user_error_of(exc)
         if user is None:
             from labavg.comm.inproc import CollectiveTimeout
-            from labavg.watchdog import EXIT_WATCHDOG
+            from labavg.comm.watchdog import EXIT_WATCHDOG
 
             cause = getattr(exc, "exc", None)
             if isinstance(cause, CollectiveTimeout):  # an in-process worker went silent

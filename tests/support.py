@@ -78,7 +78,7 @@ def cli_refusal(tmp_path: Path, args: list[str]) -> str:
 def stopped_then_resumed(cfg, at_step: int = 4) -> tuple[dict, dict]:
     """Train `cfg`, stop it once a rank reports step `at_step` (every rank stops at the next
     round, with a checkpoint), then resume it to the end: (stopped summary, resumed summary)."""
-    from labavg.runs import run_training
+    from labavg.jobs.runs import run_training
 
     flag = threading.Event()
 

@@ -14,7 +14,7 @@ from labavg.data.alignment import read_ali_dir, read_gzip_ark, read_int_vectors
 from labavg.data.textgrid import build_phone_table, textgrid_labels
 from labavg.data.transition import (HmmState, Topology, TransitionModel, TransitionTuple,
                                     read_transition_model)
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 SIL, Y, N = 1, 2, 3  # data/lang/phones.txt of yesno
 

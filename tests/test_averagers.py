@@ -1,4 +1,4 @@
-"""Averagers (labavg.averagers): plain model averaging, BMUF and DiLoCo.
+"""Averagers (labavg.averaging.methods): plain model averaging, BMUF and DiLoCo.
 
 One round's arithmetic against the papers' equations, the settings that reduce BMUF and DiLoCo
 to plain averaging (bit for bit, inproc, MPI and torchrun ranks), resume, and the settings.
@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.averagers import Averager, BMUFAverager, DiLoCoAverager, make_averager
+from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
+
+from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.config import (
+from labavg.base.config import (
     BMUFConfig,
     DiLoCoConfig,
     TrainConfig,
@@ -27,10 +29,10 @@ from labavg.config import (
     with_overrides,
 )
 from labavg.data.dataset import open_dataset
-from labavg.errors import UserError
-from labavg.runs import read_events, read_summary, run_training
-from labavg.sweep import load_sweep, run_sweep
-from labavg.train import train
+from labavg.base.errors import UserError
+from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.studies.sweep import load_sweep, run_sweep
+from labavg.training.trainer import train
 
 from test_train import SMALL, final_params, small_config
 from support import cli_refusal, stopped_then_resumed

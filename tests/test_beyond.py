@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from labavg import beyond
-from labavg.results import Run, read_results_file, with_recorded, write_results_file
-from labavg.sweep import load_sweep
+from labavg.studies.reproduction import beyond
+from labavg.studies.reproduction.results import Run, read_results_file, with_recorded, write_results_file
+from labavg.studies.sweep import load_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def test_experiments_beyond_toml_has_every_cell_with_two_seeds():
 
 @pytest.mark.parametrize("name", ["model", "bmuf", "diloco"])
 def test_method_labels_cover_every_averager(name):
-    from labavg.averagers import AVERAGERS
+    from labavg.averaging.methods import AVERAGERS
 
     assert set(AVERAGERS) == set(beyond.METHODS) and name in beyond._LABELS
 

@@ -1,4 +1,4 @@
-"""labavg.cluster on real ipyparallel MPI engines (2 engines under the venv's MPICH mpiexec).
+"""labavg.jobs.cluster on real ipyparallel MPI engines (2 engines under the venv's MPICH mpiexec).
 
 The tests share one cluster and run in file order: start, runs, stop, a killed engine and
 restart, then shutdown. A tiny synthetic corpus keeps each run to about a second.
@@ -18,11 +18,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labavg.cluster import Cluster, RunError
-from labavg.config import DataConfig, TrainConfig
-from labavg.errors import UserError
-from labavg.model import ModelConfig
-from labavg.runs import read_events, read_summary
+from labavg.jobs.cluster import Cluster, RunError
+from labavg.base.config import DataConfig, TrainConfig
+from labavg.base.errors import UserError
+from labavg.training.model import ModelConfig
+from labavg.jobs.runs import read_events, read_summary
 
 pytest.importorskip("ipyparallel")
 pytest.importorskip("mpi4py")
@@ -66,7 +66,7 @@ def test_engines_are_ordered_by_mpi_rank(cluster):
     assert [i["device"] for i in info] == ["cpu", "cpu"]
     assert len({i["pid"] for i in info}) == 2 and all(alive(i["pid"]) for i in info)
     # %px-style code on the view sees the engine's rank and can import labavg
-    cluster.view.execute("import labavg.cluster; seen = (rank, size, str(device))")
+    cluster.view.execute("import labavg.jobs.cluster; seen = (rank, size, str(device))")
     assert cluster.view.pull("seen") == [(0, 2, "cpu"), (1, 2, "cpu")]
 
 
@@ -161,7 +161,7 @@ def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
 
 
 def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, corpus, tmp_path):
-    from labavg.launch import start_run
+    from labavg.jobs.launch import start_run
 
     cfg = make_cfg(tmp_path / "seam", corpus, 4, epochs=3)
     handle = start_run(cfg, cluster=cluster)

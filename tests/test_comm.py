@@ -22,7 +22,7 @@ from labavg.comm.inproc import (
 from labavg.comm.devices import select_device
 from labavg.comm.launchers import detect_launcher, find_mpiexec, mpiexec_command
 from labavg.comm.world import open_communicator
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 from support import free_port as _free_port, launch, load_ranks as _load_ranks, load_script
 
 REPO = Path(__file__).resolve().parents[1]

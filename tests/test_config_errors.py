@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.config import (
+from labavg.base.config import (
     MEMORY_FRACTION,
     TrainConfig,
     check_model_size,
@@ -20,8 +20,8 @@ from labavg.config import (
     validate,
     with_overrides,
 )
-from labavg.errors import UserError
-from labavg.model import DNN, ModelConfig, count_parameters, parameter_count
+from labavg.base.errors import UserError
+from labavg.training.model import DNN, ModelConfig, count_parameters, parameter_count
 from labavg.optim.max_change import LayerUpdate, apply_updates, per_sample_scale
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labavg.costmodel import (
+from labavg.studies.costmodel import (
     INFINIBAND,
     LinkSample,
     PAPER_SETUP,
@@ -27,7 +27,7 @@ from labavg.costmodel import (
     predict,
     speedup,
 )
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 ALPHA, BETA = 1e-6, 1e-9
 

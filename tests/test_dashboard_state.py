@@ -26,9 +26,9 @@ from dashboard.settings import (
     describe_config,
 )
 from dashboard.settings import _default as _setting_default
-from labavg.config import TrainConfig, preset_config, validate, with_overrides
-from labavg.errors import UserError
-from labavg.index import EventTail, training_throughput
+from labavg.base.config import TrainConfig, preset_config, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.jobs.index import EventTail, training_throughput
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
     settings.payload_bits = 4
     cfg = settings.to_config(tmp_path / "r")
     assert (cfg.payload, cfg.payload_bits) == ("int", 4)
-    from labavg.config import to_dict
+    from labavg.base.config import to_dict
 
     line = describe_config({**to_dict(cfg), "averaging": "bmuf"})
     assert "K=10 · bmuf · int4 payload · ngsgd" in line.replace(f"K={cfg.average_every}", "K=10")
@@ -535,7 +535,7 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
     assert live.summary["average_every"] == 4
     [row] = RunTable(runs_dir=str(tmp_path / "runs")).refresh()
     assert row["K"] == 4
-    from labavg.runs import format_table
+    from labavg.jobs.runs import format_table
 
     assert "| 1 | 4 |" in format_table([{"run": "r", **live.summary}])
 

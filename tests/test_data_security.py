@@ -23,7 +23,7 @@ import pytest
 from labavg.data.alignment import read_int_vectors
 from labavg.data.dataset import open_dataset
 from labavg.data.kaldi import CmvnTable, MatrixTable, read_matrix
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 from test_dataset_errors import make_data_dir, small_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def hook(event, args):
         seen.append(event)
 sys.addaudithook(hook)
 from labavg.data.dataset import open_dataset
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 cases = json.loads(sys.argv[1])
 report = []
 for case in cases:

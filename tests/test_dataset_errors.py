@@ -14,7 +14,7 @@ import pytest
 from labavg.data.alignment import read_ali_dir, read_int_vectors
 from labavg.data.dataset import open_dataset
 from labavg.data.transition import read_transition_model
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 
 @pytest.fixture()

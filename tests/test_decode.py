@@ -19,7 +19,7 @@ from labavg.decode.decoder import Decoder
 from labavg.decode.lexicon import map_oov, read_lexicon, read_text
 from labavg.decode.model import kaldi_topology, load_final_model, read_phones_txt, synth_topology
 from labavg.decode.score import error_rate
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from labavg.data import synth
 from labavg.decode import run as decode
 from labavg.decode.run import SetResult, compare_decodes, write_decode_dir
 from labavg.decode.score import compare_error_rates, error_rate
-from labavg.errors import DataError, UserError
+from labavg.base.errors import DataError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 

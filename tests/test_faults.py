@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg import checkpoint
+from labavg.base import checkpoint
 from labavg.comm.inproc import RankFailed
 from labavg.data.dataset import open_dataset
-from labavg.errors import UserError
-from labavg.events import Message, RunFinished
-from labavg.faults import parse_fault
-from labavg.runs import read_events, read_summary, run_training
-from labavg.train import train
+from labavg.base.errors import UserError
+from labavg.base.events import Message, RunFinished
+from labavg.base.faults import parse_fault
+from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.training.trainer import train
 
 from test_train import SMALL, _cli, final_params, small_config
 
@@ -50,7 +50,7 @@ def test_nan_rank_is_left_out_of_the_average(corpus, tmp_path, nan_step):
 
 
 def test_all_ranks_nan_restores_previous_average():
-    from labavg.averaging import average_parameters
+    from labavg.averaging.mean import average_parameters
     from labavg.comm.inproc import run_inproc
 
     def work(comm):
@@ -147,7 +147,7 @@ def test_checkpoint_killed_mid_save_is_never_half_written(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         from pathlib import Path
-        from labavg import checkpoint
+        from labavg.base import checkpoint
         run = Path({str(tmp_path)!r})
         step = int(sys.argv[1])
         while True:

@@ -18,7 +18,7 @@ from labavg.data.frames import (
     split_cv,
     steps_per_epoch,
 )
-from labavg.errors import DataError, UserError
+from labavg.base.errors import DataError, UserError
 
 
 class MemorySource:

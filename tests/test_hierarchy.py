@@ -1,4 +1,4 @@
-"""Hierarchical averaging ([hierarchy], labavg.averagers.HierarchicalAverager): node rounds every
+"""Hierarchical averaging ([hierarchy], labavg.averaging.hierarchy.HierarchicalAverager): node rounds every
 K minibatches, the method's round across all ranks every K2; the communicators' `split`.
 
 Real inproc threads, real MPICH ranks (mpiexec started by the CLI), real torchrun/gloo ranks.
@@ -14,17 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg import checkpoint
-from labavg.averagers import (ALL, NODE, Averager, BMUFAverager, HierarchicalAverager,
-                              make_averager, node_communicator)
+from labavg.base import checkpoint
+from labavg.averaging.methods import ALL, NODE, Averager, BMUFAverager
+from labavg.averaging.hierarchy import HierarchicalAverager, node_communicator
+from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
 from labavg.comm.inproc import run_inproc, tree_sum
-from labavg.config import BMUFConfig, HierarchyConfig, TrainConfig, validate, with_overrides
+from labavg.base.config import BMUFConfig, HierarchyConfig, TrainConfig, validate, with_overrides
 from labavg.data.dataset import open_dataset
-from labavg.errors import UserError
-from labavg.events import CheckpointSaved
-from labavg.runs import read_events, read_summary
-from labavg.train import train
+from labavg.base.errors import UserError
+from labavg.base.events import CheckpointSaved
+from labavg.jobs.runs import read_events, read_summary
+from labavg.training.trainer import train
 
 from test_train import SMALL, final_params, small_config
 from support import cli_refusal
@@ -250,7 +251,7 @@ def test_events_and_summary_count_each_scope(corpus, tmp_path):
 
 
 def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp_path):
-    from labavg.payload import payload_bytes
+    from labavg.averaging.payload import payload_bytes
 
     out = tmp_path / "run"
     proc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--out", str(out),

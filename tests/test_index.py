@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labavg.config import TrainConfig, to_dict, with_overrides
-from labavg.index import (
+from labavg.base.config import TrainConfig, to_dict, with_overrides
+from labavg.jobs.index import (
     differing_labels,
     find_baseline,
     find_throughput_baseline,

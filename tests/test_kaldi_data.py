@@ -8,7 +8,7 @@ import pytest
 
 from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier, read_matrix,
                                read_scp)
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 FULL = "AMI_ES2011a_H00_FEE041_0003714_0003915"
 

@@ -1,4 +1,4 @@
-"""labavg.launch: every way of starting a run gives the same handle and the same run directory."""
+"""labavg.jobs.launch: every way of starting a run gives the same handle and the same run directory."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from labavg.config import DataConfig, to_dict
-from labavg.errors import UserError
-from labavg.launch import LAUNCH_FILE, JobFailed, start_run
-from labavg.runs import read_events
+from labavg.base.config import DataConfig, to_dict
+from labavg.base.errors import UserError
+from labavg.jobs.launch import LAUNCH_FILE, JobFailed, start_run
+from labavg.jobs.runs import read_events
 
 from test_dataset_errors import make_data_dir, small_corpus
 from test_train import small_config

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg import checkpoint
+from labavg.base import checkpoint
 from labavg.comm.launchers import find_mpiexec
-from labavg.runs import read_events, read_summary
+from labavg.jobs.runs import read_events, read_summary
 
 from test_train import SMALL, final_params
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labavg.averaging import flatten_parameters
-from labavg.errors import UserError
-from labavg.model import DNN, ModelConfig
+from labavg.averaging.mean import flatten_parameters
+from labavg.base.errors import UserError
+from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.optim.max_change import per_sample_scale
 from labavg.optim.ngsgd import (

@@ -1,4 +1,4 @@
-"""Overlapped averaging (labavg.overlap): the non-blocking mean on every backend, eager and
+"""Overlapped averaging (labavg.averaging.overlap): the non-blocking mean on every backend, eager and
 streaming rounds against hand computations, resume, training, settings.
 
 Real inproc threads, real MPICH ranks (mpiexec), real torchrun/gloo ranks.
@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.averagers import ALL, Averager, BMUFAverager, make_averager
+from labavg.averaging.methods import ALL, Averager, BMUFAverager
+
+from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.config import BMUFConfig, TrainConfig, validate, with_overrides
-from labavg.errors import UserError
-from labavg.overlap import OVERLAP, OverlapAverager, fragment_bounds
-from labavg.runs import read_events, run_training
+from labavg.base.config import BMUFConfig, TrainConfig, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.averaging.overlap import OVERLAP, OverlapAverager, fragment_bounds
+from labavg.jobs.runs import read_events, run_training
 
 from test_train import final_params, small_config
 from support import cli_refusal, load_ranks
@@ -88,7 +90,7 @@ def test_nonblocking_mean_is_the_blocking_mean_bitwise_on_torchrun(size, tmp_pat
 
 
 def test_the_watchdog_wrapper_forwards_the_nonblocking_mean():
-    from labavg.watchdog import Watchdog, WatchedCommunicator
+    from labavg.comm.watchdog import Watchdog, WatchedCommunicator
 
     def work(comm):
         watched = WatchedCommunicator(comm, Watchdog(comm, 60.0))

@@ -1,4 +1,4 @@
-"""Smaller payloads (labavg.payload): the codecs, error feedback, compressed rounds on inproc,
+"""Smaller payloads (labavg.averaging.payload): the codecs, error feedback, compressed rounds on inproc,
 MPICH and torchrun ranks, what a round sends, training, resume and the settings.
 
 Bounds. A format's `error_bound(x)` is half its step at x (half an ulp of bf16 / fp16, half the
@@ -18,13 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.averagers import Averager, BMUFAverager, DiLoCoAverager, make_averager
+from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
+
+from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import InProcCommunicator, InProcGroup, run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
-from labavg.errors import UserError
-from labavg.payload import CHUNK, decode, encode, error_bound, payload_bytes
-from labavg.runs import read_events, read_summary, run_training
+from labavg.base.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload_bytes
+from labavg.jobs.runs import read_events, read_summary, run_training
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, cli_refusal, free_port as _free_port, launch,
@@ -416,9 +418,9 @@ def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
 
 
 def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
-    from labavg.index import run_row
-    from labavg.runs import format_table
-    from labavg.sweep import COLUMNS
+    from labavg.jobs.index import run_row
+    from labavg.jobs.runs import format_table
+    from labavg.studies.sweep import COLUMNS
 
     config = {"ranks": 4, "averaging": "model", "payload": "int", "payload_bits": 4}
     assert run_row("r", config, None)["payload"] == "int4"  # from the config while it trains

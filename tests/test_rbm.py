@@ -13,8 +13,8 @@ import torch
 
 from labavg.comm.inproc import InProcCommunicator, InProcGroup
 from labavg.data.frames import splice
-from labavg.model import DNN, ModelConfig
-from labavg.rbm import (
+from labavg.training.model import DNN, ModelConfig
+from labavg.training.rbm import (
     RBM,
     CD1Trainer,
     RBMConfig,

@@ -207,7 +207,7 @@ def vm_size() -> int:
 def child() -> dict:
     import resource
 
-    from labavg.errors import DataError
+    from labavg.base.errors import DataError
 
     root = Path(tempfile.mkdtemp(prefix="labavg-fuzz-"))
     try:

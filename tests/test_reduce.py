@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.averagers import Averager, make_averager
-from labavg.averaging import average_parameters
+from labavg.averaging.methods import Averager
+
+from labavg.averaging.factory import make_averager
+from labavg.averaging.mean import average_parameters
 from labavg.comm.inproc import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -32,9 +34,9 @@ from labavg.comm.inproc import (
 )
 from labavg.comm.launchers import mpiexec_command
 from labavg.comm.reduce import bounds, reduce_mean
-from labavg.config import REDUCE, TrainConfig, load_config, validate, with_overrides
-from labavg.errors import UserError
-from labavg.runs import read_events, read_summary, run_training
+from labavg.base.config import REDUCE, TrainConfig, load_config, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.jobs.runs import read_events, read_summary, run_training
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, free_port as _free_port, launch,
@@ -301,7 +303,7 @@ def test_cli_unknown_reduce_exits_2_with_one_line(tmp_path, how):
 
 
 def test_sweep_grid_of_algorithms(tmp_path):
-    from labavg.sweep import load_sweep
+    from labavg.studies.sweep import load_sweep
 
     spec = tmp_path / "s.toml"
     spec.write_text('[base]\nranks = 2\n[grid]\nreduce = ["allreduce", "ring"]\n')

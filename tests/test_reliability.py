@@ -20,14 +20,14 @@ import psutil
 import pytest
 import torch
 
-from labavg import checkpoint
-from labavg.config import TrainConfig, to_dict
+from labavg.base import checkpoint
+from labavg.base.config import TrainConfig, to_dict
 from labavg.data.dataset import open_dataset
 from labavg.data.frames import split_cv
-from labavg.errors import UserError
-from labavg.events import CheckpointSaved, EpochDone
-from labavg.runs import read_events, read_summary, run_dir_lock, run_training
-from labavg.train import train
+from labavg.base.errors import UserError
+from labavg.base.events import CheckpointSaved, EpochDone
+from labavg.jobs.runs import read_events, read_summary, run_dir_lock, run_training
+from labavg.training.trainer import train
 
 from test_train import small_config
 
@@ -203,7 +203,7 @@ def test_torchrun_hang_is_ended_by_the_watchdog(corpus, tmp_path):
 
 def test_watchdog_names_a_silent_peer_and_waits_for_a_busy_one(tmp_path):
     """The verdicts themselves, on a fake clock and hand-written heartbeat files."""
-    from labavg.watchdog import Watchdog
+    from labavg.comm.watchdog import Watchdog
 
     class Comm:
         rank, size = 0, 3
@@ -451,7 +451,7 @@ def test_inproc_hang_from_the_command_line_is_one_line(corpus, tmp_path):
 
 def test_a_slow_consumer_is_not_a_hung_rank(tmp_path):
     """Time spent by the consumer of the trainer's events does not count against the rank."""
-    from labavg.watchdog import Watchdog
+    from labavg.comm.watchdog import Watchdog
 
     class Comm:
         rank, size = 0, 2

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from labavg.reproduction import DISCUSSION_MARKER, HEADLINE, PAIRS
-from labavg.results import Run, paired
-from labavg.verdicts import Spread, seeds_to_decide, spread, t_quantile, verdict
-from labavg.sweep import load_sweep
+from labavg.studies.reproduction.report import DISCUSSION_MARKER, HEADLINE, PAIRS
+from labavg.studies.reproduction.results import Run, paired
+from labavg.studies.reproduction.verdicts import Spread, seeds_to_decide, spread, t_quantile, verdict
+from labavg.studies.sweep import load_sweep
 
 from test_train import PYTHON
 
@@ -183,8 +183,8 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     again = report.read_text()
     assert again.endswith("A human's discussion.\n") and again.count(DISCUSSION_MARKER) == 1
     # what the notebooks read where the runs are not: the same runs, the same report
-    from labavg.reproduction import Experiments, render_report
-    from labavg.results import read_results_file
+    from labavg.studies.reproduction.report import Experiments, render_report
+    from labavg.studies.reproduction.results import read_results_file
 
     results = read_results_file(out / "experiments" / "reproduction-results.jsonl")
     assert len(results["paper"]) == 20 and len(results["regime"]) == 12

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from labavg.schedules import (
+from labavg.training.schedules import (
     NewbobConfig,
     NewbobState,
     exponential_lr,

@@ -10,15 +10,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from labavg.config import (PRESETS, TrainConfig, check_setting, cli_flags, preset_config,
+from labavg.base.config import (PRESETS, TrainConfig, check_setting, cli_flags, preset_config,
                            setting_field, validate, with_overrides)
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_importing_the_configuration_imports_no_torch():
-    code = "import sys, labavg.config; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, labavg.base.config; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr

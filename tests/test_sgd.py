@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labavg.averaging import flatten_parameters
+from labavg.averaging.mean import flatten_parameters
 from labavg.optim.base import StepStats
 from labavg.optim.max_change import LayerUpdate, apply_updates
 from labavg.optim.sgd import SGD
@@ -131,7 +131,7 @@ def test_momentum_state_dict_round_trip_gives_identical_updates():
 
 
 def test_a_training_run_applies_max_change_to_ngsgd_only_unless_asked():
-    from labavg.config import TrainConfig, validate, with_overrides
+    from labavg.base.config import TrainConfig, validate, with_overrides
 
     assert TrainConfig(optimizer="sgd").max_change_limits() == (0.0, 0.0)  # nnet1: none
     assert TrainConfig(optimizer="ngsgd").max_change_limits() == (0.075, 2.0)  # nnet2's

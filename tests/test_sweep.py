@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
-from labavg.errors import UserError
-from labavg.sweep import load_sweep, run_sweep
+from labavg.base.errors import UserError
+from labavg.studies.sweep import load_sweep, run_sweep
 
 from test_train import _cli
 
@@ -152,7 +152,7 @@ def test_a_run_stopped_while_it_decoded_is_decoded_when_the_sweep_resumes(tmp_pa
 
 def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_path, capsys):
     """Two sweeps of one directory (two processes, or two nodes) share its points."""
-    from labavg.runs import run_dir_lock
+    from labavg.jobs.runs import run_dir_lock
 
     spec = tmp_path / "s.toml"
     write_sweep(spec, corpus, "ranks = [1, 2]")
@@ -168,7 +168,7 @@ def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_pa
 
 
 def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(corpus, tmp_path):
-    from labavg.results import load_runs, read_results_file, write_results_file
+    from labavg.studies.reproduction.results import load_runs, read_results_file, write_results_file
 
     spec = tmp_path / "beyond.toml"
     write_sweep(spec, corpus, 'ranks = [1, 2]')
@@ -192,7 +192,7 @@ def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(
 
 
 def test_sweep_cli_takes_a_results_file_of_recorded_runs(corpus, tmp_path):
-    from labavg.results import load_runs, write_results_file
+    from labavg.studies.reproduction.results import load_runs, write_results_file
 
     spec = tmp_path / "beyond.toml"
     write_sweep(spec, corpus, 'ranks = [1]')

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from labavg.data import synth
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 TINY_HOURS = 0.02  # 72 s of speech, well under a second to make
 

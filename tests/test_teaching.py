@@ -1,4 +1,4 @@
-"""The notebooks' sizes (labavg.teaching) and notebook 03's rerun control (dashboard.rerun)."""
+"""The notebooks' sizes (labavg.studies.teaching) and notebook 03's rerun control (dashboard.rerun)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from labavg import teaching
-from labavg.config import TrainConfig, preset_config, with_overrides
-from labavg.errors import UserError
+from labavg.studies import teaching
+from labavg.base.config import TrainConfig, preset_config, with_overrides
+from labavg.base.errors import UserError
 
 
 def test_the_size_comes_from_the_environment_and_a_bad_one_is_named():

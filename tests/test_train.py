@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg import checkpoint
-from labavg.averaging import average_parameters, flatten_parameters
+from labavg.base import checkpoint
+from labavg.averaging.mean import average_parameters, flatten_parameters
 from labavg.comm.inproc import run_inproc
-from labavg.config import DataConfig, TrainConfig, validate
+from labavg.base.config import DataConfig, TrainConfig, validate
 from labavg.data.dataset import open_dataset
-from labavg.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
-from labavg.model import DNN, ModelConfig
-from labavg.runs import read_events, read_summary, run_training
-from labavg.train import train
+from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
+from labavg.training.model import DNN, ModelConfig
+from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.training.trainer import train
 
 PYTHON = sys.executable
 

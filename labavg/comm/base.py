@@ -40,7 +40,7 @@ class Communicator(Protocol):
 
         `buf` must not be read or written until `wait()` of the returned handle has returned;
         then it holds bitwise what `allreduce_mean` would have left there. Every rank starts
-        its means in the same order, as with any collective (labavg.overlap's eager rounds).
+        its means in the same order, as with any collective (labavg.averaging.overlap's eager rounds).
         """
 
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
@@ -70,7 +70,7 @@ class Communicator(Protocol):
         """This rank's communicator among the ranks that passed the same `color`.
 
         Collective: every rank calls it. Ranks of the new group are numbered by (`key`, old
-        rank), as MPI_Comm_split numbers them. Hierarchical averaging (labavg.averagers) makes
+        rank), as MPI_Comm_split numbers them. Hierarchical averaging (labavg.averaging.methods) makes
         "my node" with it, and "the same rank on every node" with color = rank in the node.
         """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
-# An allgather also carries bytes: the compressed payloads of labavg.payload.
+# An allgather also carries bytes: the compressed payloads of labavg.averaging.payload.
 _GATHER_DTYPES = (torch.uint8, *_FLOAT_DTYPES)
 
 

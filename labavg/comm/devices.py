@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 
 def select_device(requested: str | torch.device, local_rank: int) -> torch.device:

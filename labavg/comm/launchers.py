@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 # Environment variables that only a launcher sets. MPICH's hydra (and Slurm's srun --mpi=pmi2)
 # set PMI_RANK/PMI_SIZE, PMIx launchers PMIX_RANK, Open MPI's mpirun OMPI_COMM_WORLD_RANK.

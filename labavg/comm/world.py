@@ -16,8 +16,8 @@ import os
 import torch
 
 from labavg.comm.devices import select_device
-from labavg.config import BACKENDS
-from labavg.errors import UserError
+from labavg.base.config import BACKENDS
+from labavg.base.errors import UserError
 
 
 def open_communicator(backend: str, *, size: int = 1, device: str | torch.device = "cpu"):

@@ -18,7 +18,7 @@ import numpy as np
 from labavg.data.kaldi import (is_pipe, is_rspecifier, iter_ark, iter_table, one_line,
                                refuse_pipe, split_rspecifier)
 from labavg.data.transition import TransitionModel, read_transition_model
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 _ALI_NAME = re.compile(r"^ali\.(\d+)\.gz$")
 

@@ -20,7 +20,7 @@ from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier
                                read_text_lines)
 from labavg.data.textgrid import (build_phone_table, count_frames, read_phone_intervals,
                                   read_phone_table, textgrid_labels)
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 PathLike = str | os.PathLike
 MAX_LISTED = 5

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from labavg.data.base import UtteranceSource
-from labavg.errors import DataError, UserError
+from labavg.base.errors import DataError, UserError
 
 
 def splice(feats: np.ndarray, context: int) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 from kaldiio.matio import read_kaldi
 from kaldiio.utils import parse_specifier
 
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 # What kaldiio's decoder (and gzip/zlib) raise on a short read or a bad body.
 READ_ERRORS = (ValueError, AssertionError, struct.error, EOFError, RuntimeError, OSError,

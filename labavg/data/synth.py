@@ -32,7 +32,7 @@ import kaldi_native_fbank as knf
 import kaldiio
 import numpy as np
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 STATES_PER_PHONE = 3
 FEAT_DIM = 40

@@ -15,7 +15,7 @@ import numpy as np
 from praatio import textgrid as praat_textgrid
 
 from labavg.data.kaldi import one_line, read_text_lines
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 FRAME_SHIFT = 0.01
 FRAME_LENGTH = 0.025

@@ -26,7 +26,7 @@ from typing import Any
 import kaldifst
 
 from labavg.decode.lexicon import check_lexicon_phones
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 GRAPH_VERSION = 1
 SIL_PROB = 0.5  # Kaldi's prepare_lang.sh default

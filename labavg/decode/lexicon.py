@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from labavg.errors import DataError
+from labavg.base.errors import DataError
 
 UNK_WORDS = ("<unk>", "<UNK>")
 

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from labavg.errors import DataError, UserError
-from labavg.model import DNN, ModelConfig
+from labavg.base.errors import DataError, UserError
+from labavg.training.model import DNN, ModelConfig
 
 FORMAT = "labavg-final"
 VERSION = 1
@@ -192,10 +192,10 @@ def export_final_model(run_dir: Path, cfg, source) -> Path:
     """
     import io
 
-    from labavg import checkpoint
-    from labavg.averaging import flatten_parameters
+    from labavg.base import checkpoint
+    from labavg.averaging.mean import flatten_parameters
     from labavg.data.frames import split_cv
-    from labavg.train import _build_model
+    from labavg.training.trainer import _build_model
 
     found = checkpoint.latest_step(run_dir)
     if found is None:

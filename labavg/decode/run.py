@@ -30,7 +30,7 @@ from labavg.decode.lexicon import map_oov, read_lexicon, read_text
 from labavg.decode.model import (ExportedModel, load_final_model, read_phones_txt,
                                  topology_num_pdfs)
 from labavg.decode.score import Comparison, ErrorRate, compare_error_rates, error_rate
-from labavg.errors import DataError, UserError
+from labavg.base.errors import DataError, UserError
 
 # Kaldi's score.sh sweeps LM weights 7..17 on acwt 1 (= acwt 1/17 .. 1/7 at LM weight 1).
 DEFAULT_ACWTS = (0.05, 0.0667, 0.0833, 0.1, 0.125, 0.15, 0.2)

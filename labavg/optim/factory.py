@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from labavg.config import OPTIMIZERS
-from labavg.errors import UserError
+from labavg.base.config import OPTIMIZERS
+from labavg.base.errors import UserError
 from labavg.optim.base import Optimizer
 
 

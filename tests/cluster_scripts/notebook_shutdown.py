@@ -16,9 +16,9 @@ from pathlib import Path
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from labavg.cluster import Cluster
-from labavg.config import DataConfig, TrainConfig
-from labavg.model import ModelConfig
+from labavg.jobs.cluster import Cluster
+from labavg.base.config import DataConfig, TrainConfig
+from labavg.training.model import ModelConfig
 
 
 async def notebook(corpus: Path, work: Path) -> None:

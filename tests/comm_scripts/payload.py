@@ -45,7 +45,7 @@ def fmt(payload: str, bits: int) -> str:
 
 def exercise(comm) -> dict[str, np.ndarray]:
     """Every gather case, and ROUNDS rounds of every payload, as this rank got them."""
-    from labavg.averagers import Averager
+    from labavg.averaging.methods import Averager
 
     out = {"rank": np.array(comm.rank), "size": np.array(comm.size)}
     for length, dtype in GATHER:

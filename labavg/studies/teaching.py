@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from labavg.config import TrainConfig, preset_config, validate, with_overrides
-from labavg.errors import UserError
+from labavg.base.config import TrainConfig, preset_config, validate, with_overrides
+from labavg.base.errors import UserError
 
 SIZE_VARIABLE = "LABAVG_NOTEBOOK_SIZE"
 # Kept because the tests and older instructions say it; it means SIZE_VARIABLE=small.

@@ -1,12 +1,12 @@
 """Beyond the paper: plain model averaging against BMUF and DiLoCo, in REPRODUCTION.md.
 
-experiments/beyond.toml trains every averaging method (labavg.averagers) at 16 and 32 workers,
+experiments/beyond.toml trains every averaging method (labavg.averaging.methods) at 16 and 32 workers,
 averaging every K = 10, 50 and 200 minibatches, on the reproduction's corpus, with seeds. This
 module turns its finished runs into the report's section: a table per number of workers, the
 verdicts of each method against the paper's plain average at the same workers, K and seed, and
 a figure of WER against the megabytes each worker sent.
 
-Verdicts follow labavg.verdicts' one rule, against zero (there is no paper figure): the per-seed
+Verdicts follow labavg.studies.reproduction.verdicts' one rule, against zero (there is no paper figure): the per-seed
 effect (WER: 100 x ln of the reference's WER over the method's; frame accuracy: the method's
 minus the reference's, points) gets a 95 % t-interval; "better" or "worse" when it excludes
 zero, "same" when it lies within the margin of zero, "unresolved" (with the seeds that would
@@ -20,13 +20,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from labavg.reporting import interval as _interval
-from labavg.reporting import mean_sd as _mean_sd
-from labavg.reporting import num as _num
-from labavg.reporting import words
-from labavg.results import Run, paired, select
-from labavg.results import stat as _stat
-from labavg.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, WER_MARGIN, ZERO, Spread,
+from labavg.studies.reproduction.tables import interval as _interval
+from labavg.studies.reproduction.tables import mean_sd as _mean_sd
+from labavg.studies.reproduction.tables import num as _num
+from labavg.studies.reproduction.tables import words
+from labavg.studies.reproduction.results import Run, paired, select
+from labavg.studies.reproduction.results import stat as _stat
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, WER_MARGIN, ZERO, Spread,
                              spread, verdict)
 
 METHODS = ("model", "bmuf", "diloco")

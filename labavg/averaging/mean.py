@@ -45,7 +45,7 @@ class AverageStats:
     `finite` says whether this rank was one of them. `stop` is True when any rank asked to stop.
     `bytes_sent` is the size of the parameter buffer this rank put into the round's allreduce
     (4 x parameters in float32; 0 when nothing was averaged), or of its compressed change with
-    a lossy payload (labavg.payload.payload_bytes), not counting the 16-byte control exchange:
+    a lossy payload (labavg.averaging.payload.payload_bytes), not counting the 16-byte control exchange:
     what a reduce algorithm or the allgather puts on the wire is a multiple of it.
     """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from labavg.verdicts import Spread
+from labavg.studies.reproduction.verdicts import Spread
 
 
 def num(value: float | None, digits: int = 2) -> str:

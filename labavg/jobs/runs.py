@@ -1,12 +1,12 @@
 """Run directories: what a finished or running training run leaves on disk.
 
 RUN_DIR/config.json      the TrainConfig (written by rank 0 when the run starts)
-RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.events)
+RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.base.events)
 RUN_DIR/summary.json     results, written by rank 0 at the end
 RUN_DIR/tensorboard/     TensorBoard event files, one folder per rank
-RUN_DIR/checkpoints/     see labavg.checkpoint
+RUN_DIR/checkpoints/     see labavg.base.checkpoint
 RUN_DIR/.lock            held (flock) by the job writing the directory; names its holder
-RUN_DIR/heartbeat/       each rank's watchdog heartbeat while it runs (labavg.watchdog)
+RUN_DIR/heartbeat/       each rank's watchdog heartbeat while it runs (labavg.comm.watchdog)
 
 `run_training` is the consumer the CLI and notebooks call: it iterates the trainer and writes
 these files. Every rank appends to events.jsonl with one O_APPEND write per line, which
@@ -28,14 +28,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from labavg.checkpoint import atomic_write_text, latest_step, remove_orphans
+from labavg.base.checkpoint import atomic_write_text, latest_step, remove_orphans
 from labavg.comm.launchers import launcher_rank
-from labavg.config import TrainConfig, config_from_dict, to_dict
-from labavg.errors import UserError, one_line
-from labavg.watchdog import HEARTBEAT_DIR
-from labavg.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted
-# Reading runs back lives in labavg.index; these names stay importable from here.
-from labavg.index import (CONFIG, EVENTS, SUMMARY, EventTail, comparable_config,  # noqa: F401
+from labavg.base.config import TrainConfig, config_from_dict, to_dict
+from labavg.base.errors import UserError, one_line
+from labavg.comm.watchdog import HEARTBEAT_DIR
+from labavg.base.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted
+# Reading runs back lives in labavg.jobs.index; these names stay importable from here.
+from labavg.jobs.index import (CONFIG, EVENTS, SUMMARY, EventTail, comparable_config,  # noqa: F401
                           find_baseline, read_events, read_json, summary_row)
 
 LOCK = ".lock"
@@ -82,7 +82,7 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) 
 
     The run's own settings are those its last checkpoint was trained with.
     """
-    from labavg.checkpoint import load_rank_state
+    from labavg.base.checkpoint import load_rank_state
 
     step, _ = latest_step(run_dir)
     saved = load_rank_state(run_dir, step, 0).get("config")
@@ -322,7 +322,7 @@ def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False)
     The launcher of a multi-process job calls it once, so that a bad setting or data set is
     reported once, before N ranks meet it; run_training calls it on every rank anyway.
     """
-    from labavg.train import check_fits
+    from labavg.training.trainer import check_fits
 
     run_dir = Path(cfg.out)
     check_run_dir(run_dir, resume, cfg)
@@ -354,7 +354,7 @@ def run_training(
     return None). `on_event` sees every event this process sees. `allow_pipes` lets data files
     and rspecifiers run commands (Kaldi's `cmd |`); only the command line's --allow-pipes sets it.
     """
-    from labavg.train import train
+    from labavg.training.trainer import train
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
@@ -362,7 +362,7 @@ def run_training(
             remove_orphans(run_dir)
         opened: dict[str, Any] = {}
 
-        def open_data():  # opened on every rank (labavg.train.train agrees on the outcome)
+        def open_data():  # opened on every rank (labavg.training.trainer.train agrees on the outcome)
             opened["source"] = preflight(cfg, resume, allow_pipes)
             return opened["source"]
 

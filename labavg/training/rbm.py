@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from labavg.averagers import Averager
-from labavg.averaging import broadcast_parameters, flatten_parameters
+from labavg.averaging.methods import Averager
+from labavg.averaging.mean import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
-from labavg.config import RBMConfig  # noqa: F401 (declared with the other settings)
-from labavg.model import DNN
+from labavg.base.config import RBMConfig  # noqa: F401 (declared with the other settings)
+from labavg.training.model import DNN
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ decoded; regime.toml and regime-variables.toml: the regime map and what predicts
 explain.toml: the experiments behind each disagreement; yesno.toml: the real Kaldi recipe, when
 given), measures 1 vs 2 MPI ranks on this machine, and writes the report, its figures and a
 results file the notebooks read. Every step is resumable: finished runs are kept, so running it
-again only adds what is missing. Every verdict follows labavg.verdicts' one rule.
+again only adds what is missing. Every verdict follows labavg.studies.reproduction.verdicts' one rule.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg import costmodel, regime
-from labavg.checkpoint import atomic_write_text
-from labavg.errors import UserError
-from labavg.index import flatten_config
-from labavg.reporting import interval, mean_sd, num, percent, words
-from labavg.results import (RESULTS_FILE, Run, collect, paired, select, stat, trace_stat,
+from labavg.studies import costmodel
+
+from labavg.studies.reproduction import regime
+from labavg.base.checkpoint import atomic_write_text
+from labavg.base.errors import UserError
+from labavg.jobs.index import flatten_config
+from labavg.studies.reproduction.tables import interval, mean_sd, num, percent, words
+from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, paired, select, stat, trace_stat,
                             with_recorded, write_results_file)
-from labavg.verdicts import (ACCURACY_MARGIN, AS_THE_PAPER, LARGER, NEGATIVE, OPPOSITE, POSITIVE,
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, AS_THE_PAPER, LARGER, NEGATIVE, OPPOSITE, POSITIVE,
                              RULE, SMALLER, ZERO, Spread, in_direction, log_ratio, spread, verdict)
 
 # Su & Chen (2015), WER % on the Switchboard test set; 1-GPU baseline 14.7.
@@ -182,8 +184,8 @@ def verdict_summary(runs: list[Run], base: dict[str, Any]) -> list[tuple[str, st
 def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
     """The sweep's base values of the varied settings (from its file, else the commonest)."""
     if sweep_file is not None and sweep_file.is_file():
-        from labavg.config import to_dict
-        from labavg.sweep import load_sweep
+        from labavg.base.config import to_dict
+        from labavg.studies.sweep import load_sweep
 
         base = flatten_config(to_dict(load_sweep(sweep_file).base))
         return {k: base[k] for k in VARIED}
@@ -389,9 +391,9 @@ def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | Non
     """1 and 2 MPI ranks (K = 10 and 20) with the comparisons' model and data; resumable."""
     import shutil
 
-    from labavg.config import validate, with_overrides
-    from labavg.launch import start_run
-    from labavg.sweep import load_sweep
+    from labavg.base.config import validate, with_overrides
+    from labavg.jobs.launch import start_run
+    from labavg.studies.sweep import load_sweep
 
     base = load_sweep(paper_file).base
     for name, ranks, k in MPI_POINTS:
@@ -560,7 +562,7 @@ def tiny_experiments(source: Path, dest: Path) -> Path:
         base["data"] = {**base.get("data", {}), "data": corpora[0]["out"]}
         if base.get("decode_data"):
             base["decode_data"] = corpora[0]["out"]
-        lines = [f"# Tiny version of {source / name}.toml (labavg.reproduction.tiny_experiments)"]
+        lines = [f"# Tiny version of {source / name}.toml (labavg.studies.reproduction.report.tiny_experiments)"]
         for corpus in corpora:
             lines += [""] + _toml_table("corpus", corpus, array=True)
         lines += [""] + _toml_table("base", base)
@@ -604,7 +606,7 @@ def _provenance(runs: dict[str, list[Run]], command: str, seconds: float) -> lis
 
 def _answer(runs: dict[str, list[Run]], base: dict[str, Any]) -> list[str]:
     """The first screen: does the paper hold here? Every comparison under the one rule."""
-    from labavg.beyond import fix_sentence
+    from labavg.studies.reproduction.beyond import fix_sentence
 
     paper_runs = runs.get("paper", [])
     fix = fix_sentence(runs.get("beyond", []))
@@ -674,7 +676,7 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
         parts += schedule_trace(paper_runs, base)
     parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))
     if runs.get("beyond"):
-        from labavg.beyond import section
+        from labavg.studies.reproduction.beyond import section
 
         parts += [""] + section(runs["beyond"], experiments.beyond, beyond_figure, report)
     return "\n".join(parts) + "\n"
@@ -712,7 +714,7 @@ def _load_in(file: Path, cwd: Path):
     """A sweep file whose paths are relative to `cwd` (the yesno recipe)."""
     import contextlib
 
-    from labavg.sweep import load_sweep
+    from labavg.studies.sweep import load_sweep
 
     file = file.resolve()
     with contextlib.chdir(cwd):
@@ -734,7 +736,7 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     if yesno is not None and not (yesno / "data").is_dir():
         raise UserError(f"--yesno {yesno}: not a Kaldi yesno recipe directory (no data/)")
     # Validate every file before hours of training start.
-    from labavg.sweep import load_sweep
+    from labavg.studies.sweep import load_sweep
 
     for path in (exp.paper, exp.regime):
         load_sweep(path)
@@ -746,7 +748,7 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
         if path.is_file():
             jobs.append((name, path, out / name, None))
     if train:
-        from labavg.sweep import make_corpora
+        from labavg.studies.sweep import make_corpora
 
         for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
             make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
@@ -765,7 +767,7 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
         regime.regime_figure(points, regime.comparison_points(runs["paper"], base),
                              found[0] if found else None, figure)
     if runs["beyond"]:
-        from labavg.beyond import figure as draw_beyond
+        from labavg.studies.reproduction.beyond import figure as draw_beyond
 
         draw_beyond(runs["beyond"], select([r for r in runs["beyond"] if r.get("ranks") == 1]),
                     beyond_figure)

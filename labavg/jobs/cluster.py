@@ -1,7 +1,7 @@
-"""An ipyparallel cluster of MPI engines that runs `labavg.runs.run_training` on every rank.
+"""An ipyparallel cluster of MPI engines that runs `labavg.jobs.runs.run_training` on every rank.
 
-Used by notebooks and the dashboard (through labavg.launch); it never re-implements training.
-This is the client side; what runs inside the engines is labavg.engine. The pieces:
+Used by notebooks and the dashboard (through labavg.jobs.launch); it never re-implements training.
+This is the client side; what runs inside the engines is labavg.jobs.engine. The pieces:
 
 * `Cluster.start(n)` starts an ipyparallel controller and `n` engines under the venv's MPICH
   `mpiexec` (engines="mpi"), all on 127.0.0.1; `Cluster.attach()` connects to a running
@@ -31,10 +31,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from labavg.config import TrainConfig, to_dict
-from labavg import engine
-from labavg.engine import ALIVE
-from labavg.errors import UserError
+from labavg.base.config import TrainConfig, to_dict
+from labavg.jobs import engine
+from labavg.jobs.engine import ALIVE
+from labavg.base.errors import UserError
 
 _ECHO_GRACE_SECONDS = 5.0
 _POLL_SECONDS = 0.05

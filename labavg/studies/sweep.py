@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.checkpoint import atomic_write_text, latest_step
-from labavg.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
-from labavg.errors import UserError
-from labavg.index import SUMMARY, flatten_config, summary_row
-from labavg.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
+from labavg.base.checkpoint import atomic_write_text, latest_step
+from labavg.base.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
+from labavg.base.errors import UserError
+from labavg.jobs.index import SUMMARY, flatten_config, summary_row
+from labavg.jobs.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
                          run_dir_lock)
 
 COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer", "pretrain",
@@ -173,11 +173,11 @@ def run_sweep(
 ) -> list[dict[str, Any]]:
     """Train every point not yet finished; write results.csv and results.md; return the rows.
 
-    `train_point(cfg, resume)` trains one configuration (default: `labavg.launch.start_run`,
+    `train_point(cfg, resume)` trains one configuration (default: `labavg.jobs.launch.start_run`,
     which picks threads or a job by backend). `cwd` runs every point in that directory
     (Kaldi recipes' scp paths are relative to it); `out` is taken before it applies.
     `recorded` maps point names to {"settings", "summary"} of runs finished elsewhere (a
-    results file, `labavg.reproduction`): a point recorded with the same settings and without
+    results file, `labavg.studies.reproduction.report`): a point recorded with the same settings and without
     a run directory here is not trained again, and its recorded summary is its row.
     """
     if train_point is None:
@@ -248,7 +248,7 @@ def _run_point(cfg: TrainConfig, run_dir: Path, train_point, cwd) -> None:
 
 
 def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None:
-    from labavg.launch import JobFailed, start_run
+    from labavg.jobs.launch import JobFailed, start_run
 
     try:
         start_run(cfg, resume=resume, cwd=cwd).wait()

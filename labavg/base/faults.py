@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 if TYPE_CHECKING:  # the configuration imports this module and no torch
     import torch

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.checkpoint import atomic_write_text
-from labavg.errors import UserError
-from labavg.index import flatten_config, list_runs
-from labavg.verdicts import Spread, log_ratio, spread
+from labavg.base.checkpoint import atomic_write_text
+from labavg.base.errors import UserError
+from labavg.jobs.index import flatten_config, list_runs
+from labavg.studies.reproduction.verdicts import Spread, log_ratio, spread
 
 RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
 
@@ -163,7 +163,7 @@ def corpus_hours(path: str) -> float | None:
 
 
 def paired(a: dict[int, Run], b: dict[int, Run], metric: str, log: bool = False) -> list[float]:
-    """b - a per seed both have; with `log`, 100 x ln(b / a) (labavg.verdicts.log_ratio)."""
+    """b - a per seed both have; with `log`, 100 x ln(b / a) (labavg.studies.reproduction.verdicts.log_ratio)."""
     out = []
     for seed in sorted(set(a) & set(b)):
         va, vb = a[seed].metric(metric), b[seed].metric(metric)

@@ -20,7 +20,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 Algorithm = Literal["ring", "recursive_doubling", "rabenseifner"]
 ALGORITHMS: tuple[Algorithm, ...] = ("ring", "recursive_doubling", "rabenseifner")
@@ -390,7 +390,7 @@ class MeasuredCosts:
 
 
 def from_summary(summary: dict[str, Any]) -> MeasuredCosts:
-    """MeasuredCosts of a labavg run from its summary.json dict (labavg/runs.py: make_summary).
+    """MeasuredCosts of a labavg run from its summary.json dict (labavg/jobs/runs.py: make_summary).
 
     compute per minibatch = compute_seconds / steps; allreduce = comm_seconds / averaging_rounds;
     frames per epoch = frames_trained / epochs (all ranks; short if the run stopped early).

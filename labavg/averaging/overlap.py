@@ -7,7 +7,7 @@ each rank keeps a snapshot S_t of its parameters and starts the non-blocking mea
 (`Communicator.iallreduce_mean`); it trains the next K minibatches from its own model W; at
 round t+1 it waits for S̄_t and takes
 
-    W_g(t) = update(W_g(t-1), S̄_t)      the run's method (labavg.averagers); plain: W_g(t) = S̄_t
+    W_g(t) = update(W_g(t-1), S̄_t)      the run's method (labavg.averaging.methods); plain: W_g(t) = S̄_t
     W     <- W_g(t) + (W - S_t)          the new global model plus this rank's own progress
 
 then snapshots and starts the next mean. BMUF's G(t) and DiLoCo's outer gradient are
@@ -30,25 +30,22 @@ round, as it would have), so a resumed run continues bit for bit.
 Non-finite ranks: the 16-byte control allreduce stays blocking, at the start of each mean. A
 rank whose parameters are not finite anywhere at a round restarts every fragment from its
 global model and is left out of the mean started there (contributing zeros, as in
-labavg.averaging); a rank that diverges while a mean is in flight is caught the same way at
+labavg.averaging.mean); a rank that diverges while a mean is in flight is caught the same way at
 the next round, after that mean is merged. When every rank is left out, no mean starts and
 the fragment's global model stays as it was.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from labavg.averagers import ALL, Averager
-from labavg.averaging import AverageStats, average_parameters
+from labavg.averaging.methods import ALL, Averager
+from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.comm.base import Communicator, Pending
-from labavg.config import TrainConfig
-from labavg.errors import UserError
 
 # The scope of a round whose mean runs while training goes on (`due`).
 OVERLAP = "overlap"
@@ -299,20 +296,3 @@ class OverlapAverager:
                 state["pending_fragment"], state["pending_snapshot"].to(device),
                 None if mean is None else mean.to(device), None, state["pending_dropped"],
                 state["pending_finite"], time.perf_counter())
-
-
-def make_overlap_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator,
-                          sizes: list[int] | None) -> OverlapAverager:
-    """The averager of a run with `overlap` eager or streaming; `sizes` are the numbers of
-    values of the parameter tensors laid out in `flat` (streaming cuts between them)."""
-    from labavg.averagers import make_averager
-
-    fragments = cfg.streaming_fragments if cfg.overlap == "streaming" else 1
-    sizes = sizes or [flat.numel()]
-    if fragments > len(sizes):
-        raise UserError(f"streaming_fragments = {fragments} exceeds the {len(sizes)} parameter "
-                        f"tensors of the model")
-    bounds = fragment_bounds(sizes, fragments)
-    plain = dataclasses.replace(cfg, overlap="none")
-    averagers = [make_averager(plain, flat[a:b], comm) for a, b in bounds]
-    return OverlapAverager(averagers, bounds, comm, cfg.overlap)

@@ -25,9 +25,9 @@ by one round's quantisation error, instead of drifting with the number of rounds
 The ranks gather every c_i (one allgather of bytes, the backend's `allgather`); each rank
 decodes all N and adds them in rank order, so every rank computes bitwise the same
     W̄ = W_g + (1/N') Σ_i deQ(c_i)      (in float32, N' the finite ranks)
-and the method's outer update (labavg.averagers) runs on W̄ as with fp32. A rank whose
+and the method's outer update (labavg.averaging.methods) runs on W̄ as with fp32. A rank whose
 parameters are not finite sends the code of zero, is left out of N', keeps its residual, and
-takes W̄ like the others, as labavg.averaging does for fp32.
+takes W̄ like the others, as labavg.averaging.mean does for fp32.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from labavg.averaging import AverageStats, agree
+from labavg.averaging.mean import AverageStats, agree
 from labavg.comm.base import Communicator
-from labavg.config import PAYLOAD_BITS, PAYLOADS
+from labavg.base.config import PAYLOAD_BITS, PAYLOADS
 
 CHUNK = 1024  # values sharing one float32 scale in payload = int
 _FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -5,9 +5,9 @@ starts the next block of K minibatches from, any outer-optimizer state, and what
 measured (divergence, seconds, bytes). `round(flat)` runs one round on this rank's flat
 parameter buffer; a method differs from plain averaging only in `update`, which turns the
 global model and the new average into the next global model. Every method averages with ONE
-allreduce (`labavg.averaging.average_parameters`), which also leaves non-finite ranks out; the
+allreduce (`labavg.averaging.mean.average_parameters`), which also leaves non-finite ranks out; the
 run's `reduce` setting picks how that mean is computed (labavg.comm.reduce), for every method.
-With a lossy `payload` (labavg.payload) the average is instead W_g plus the mean of the ranks'
+With a lossy `payload` (labavg.averaging.payload) the average is instead W_g plus the mean of the ranks'
 compressed changes, gathered with one allgather; `update` runs on it the same way.
 
 Notation (the papers'): N workers, W_i(t) worker i's model after block t, W̄(t) their average.
@@ -41,10 +41,6 @@ method to plain averaging (η = 0, ζ = 1; α = 1, μ = 0) give the average bit 
 With one rank there is nothing to average (no allreduce, no bytes), but bmuf and diloco still
 apply their outer step to the one worker's block: DiLoCo with one worker is a method of its
 own (the paper's k = 1), and a 1-rank run of a method is the baseline of its N-rank runs.
-
-Hierarchical averaging (`[hierarchy]`, `HierarchicalAverager`) puts a plain average of the
-ranks of each node every K minibatches inside the method's blocks, which then last K2 =
-`hierarchy.every` minibatches: the outer step sees one block of K2 per round across nodes.
 """
 
 from __future__ import annotations
@@ -55,12 +51,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from labavg.averaging import AverageStats, average_parameters
+from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.comm.base import Communicator
+from labavg.base.config import BMUFConfig, DiLoCoConfig
 from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
-from labavg.config import BMUFConfig, DiLoCoConfig, TrainConfig
-from labavg.errors import UserError
-from labavg.payload import average_changes, check as check_payload, lossy, payload_bytes
+from labavg.averaging.payload import average_changes, check as check_payload, lossy, payload_bytes
 
 # The scopes of a round (`due`): the ranks of one node, or every rank.
 NODE, ALL = "node", "all"
@@ -73,7 +68,7 @@ class Averager:
     `restore` the averager keeps the global model the block started from, which every rank
     takes back if all of them diverge at once; without, that case raises FloatingPointError.
     `reduce` is the algorithm that computes the mean (labavg.comm.reduce.ALGORITHMS).
-    `payload` and `bits` what a round sends (labavg.payload); a lossy payload needs the global
+    `payload` and `bits` what a round sends (labavg.averaging.payload); a lossy payload needs the global
     model (the changes are taken from it) and, with `error_feedback`, keeps this rank's
     compression residual, which differs between ranks and is checkpointed with each rank.
     """
@@ -99,7 +94,7 @@ class Averager:
         self.restore = restore or self.keeps_global or lossy(payload)
         # The global model the current block started from (W_g(t-1) above).
         self.global_model = flat.clone() if self.restore else None
-        # This rank's error-feedback residual e_i (labavg.payload).
+        # This rank's error-feedback residual e_i (labavg.averaging.payload).
         self.residual = (torch.zeros_like(flat) if lossy(payload) and error_feedback
                          else None)
 
@@ -276,127 +271,5 @@ class DiLoCoAverager(Averager):
         return {"momentum": self.momentum}
 
 
-class HierarchicalAverager:
-    """Averaging within nodes every K minibatches, across all ranks every K2 (`[hierarchy]`).
-
-    A node round (`due` gives NODE) is a plain mean over `node`, the ranks of this rank's node:
-    one allreduce there, no outer step, the stop request kept for the next round across
-    nodes (only there do all ranks agree on it). An all round (every K2-th minibatch and every
-    epoch end) is `inner`'s round over every rank, the method's outer step included: BMUF's
-    G(t) and DiLoCo's outer gradient are then the change since the last all round, the block
-    of K2 minibatches the node rounds happened inside. Node rounds are not outer steps because
-    each node would filter its own update with a momentum that is shared by all ranks: the
-    nodes' momenta would part, and no all round could bring them together again.
-
-    The fallback of a node whose ranks all diverged is the node's model after the last round.
-    """
-
-    def __init__(self, inner: Averager, node: Communicator, every_all: int) -> None:
-        if every_all < 1 or every_all % inner.every:
-            raise ValueError(f"the interval across nodes ({every_all}) must be a positive "
-                             f"multiple of the interval within them ({inner.every})")
-        self.inner, self.node, self.every_all = inner, node, every_all
-        self.method, self.reduce, self.every, self.comm = (
-            inner.method, inner.reduce, inner.every, inner.comm)
-        # The payload is that of the rounds across nodes; node rounds send fp32 (shared memory).
-        self.payload, self.bits = inner.payload, inner.bits
-        self.node_model = inner.global_model.clone() if inner.global_model is not None else None
-        self._stop = False
-
-    def due(self, step: int, end_of_epoch: bool) -> str | None:
-        """ALL every K2-th minibatch and every epoch end, NODE every other K-th, else None."""
-        if step % self.every_all == 0 or end_of_epoch:
-            return ALL
-        return NODE if step % self.every == 0 else None
-
-    def round(self, flat: torch.Tensor, stop: bool = False, scope: str = ALL) -> AverageStats:
-        """One round of `scope` (the one `due` gave) on this rank's parameters, in place."""
-        if scope == ALL:
-            stats = self.inner.round(flat, stop=stop or self._stop)
-            self._stop = False
-        elif scope == NODE:
-            start = time.perf_counter()
-            self._stop = self._stop or stop
-            stats = average_parameters(flat, self.node, fallback=self.node_model,
-                                       reduce=self.reduce)
-            stats = dataclasses.replace(stats, stop=False,
-                                        comm_seconds=time.perf_counter() - start)
-        else:
-            raise ValueError(f"unknown round scope {scope!r}; known: {NODE}, {ALL}")
-        if self.node_model is not None:
-            self.node_model.copy_(flat)
-        return stats
-
-    def bytes_per_round(self, flat: torch.Tensor) -> int:
-        """What a round across all ranks puts into its collective from this rank."""
-        return self.inner.bytes_per_round(flat)
-
-    def restart(self, flat: torch.Tensor) -> None:
-        """As Averager.restart (Newbob's rollback comes after an all round)."""
-        self.inner.restart(flat)
-        if self.node_model is not None:
-            self.node_model.copy_(flat)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The method's state, and the global model of the last all round: after a node round
-        the parameters are the node's model, which the next outer step must not start from."""
-        state = self.inner.state_dict()
-        if self.inner.global_model is not None:
-            state["hierarchy_global"] = self.inner.global_model.detach().cpu().clone()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any] | None, flat: torch.Tensor) -> None:
-        """As Averager.load_state_dict; a checkpoint without hierarchy was taken after a round
-        across all ranks, so its parameters are that round's global model."""
-        self.inner.load_state_dict(state, flat)
-        saved = None if state is None else state.get("hierarchy_global")
-        if saved is not None and self.inner.global_model is not None:
-            if saved.shape != self.inner.global_model.shape:
-                raise ValueError(f"the checkpoint's global model holds {saved.numel()} values, "
-                                 f"the model has {self.inner.global_model.numel()}")
-            self.inner.global_model.copy_(saved.to(self.inner.global_model.device))
-        if self.node_model is not None:
-            self.node_model.copy_(flat)
-
-
-def node_communicator(comm: Communicator, node_size: int) -> Communicator:
-    """This rank's node: ranks [i * node_size, (i + 1) * node_size) when `node_size` > 0, else
-    the ranks the backend finds on this rank's host (collective)."""
-    color = comm.rank // node_size if node_size > 0 else comm.node_color()
-    if color is None:
-        raise UserError("hierarchy.node_size = 0: this backend cannot tell which ranks share "
-                        "a node; set hierarchy.node_size")
-    return comm.split(color, comm.rank)
-
-
 AVERAGERS: dict[str, type[Averager]] = {
     cls.method: cls for cls in (Averager, BMUFAverager, DiLoCoAverager)}
-
-
-def make_averager(cfg: TrainConfig, flat: torch.Tensor, comm: Communicator,
-                  sizes: list[int] | None = None) -> Averager | HierarchicalAverager:
-    """The averager of a training run: `cfg.averaging`'s method, its settings, K, `cfg.reduce`,
-    the payload (`cfg.payload`, `cfg.payload_bits`, `cfg.error_feedback`); inside a
-    HierarchicalAverager when `hierarchy.every` > 0 (collective then: it splits `comm` into
-    nodes); an OverlapAverager (labavg.overlap) when `overlap` is not "none", which cuts `flat`
-    between the parameter tensors of `sizes` values."""
-    if cfg.overlap != "none":
-        from labavg.overlap import make_overlap_averager
-
-        return make_overlap_averager(cfg, flat, comm, sizes)
-    every, reduce = cfg.averaging_interval(), cfg.reduce
-    payload = {"payload": cfg.payload, "bits": cfg.payload_bits,
-               "error_feedback": cfg.error_feedback}
-    if cfg.averaging == "bmuf":
-        averager = BMUFAverager(flat, comm, every, config=cfg.bmuf, reduce=reduce, **payload)
-    elif cfg.averaging == "diloco":
-        averager = DiLoCoAverager(flat, comm, every, config=cfg.diloco, reduce=reduce, **payload)
-    elif cfg.averaging == "model":
-        averager = Averager(flat, comm, every, reduce=reduce, **payload)
-    else:
-        raise ValueError(f"unknown averaging method {cfg.averaging!r}; known: "
-                         f"{', '.join(AVERAGERS)}")
-    if cfg.hierarchy.every == 0:
-        return averager
-    return HierarchicalAverager(averager, node_communicator(comm, cfg.hierarchy.node_size),
-                                cfg.hierarchy.every)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labavg.errors import UserError
-from labavg.faults import parse_fault
+from labavg.base.errors import UserError
+from labavg.base.faults import parse_fault
 
 BACKENDS = ("inproc", "mpi", "torch")
 OPTIMIZERS = ("sgd", "ngsgd")
@@ -36,15 +36,15 @@ PRETRAIN = ("none", "rbm")
 LR_SCALING = ("none", "sqrt", "linear")
 NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
 NEWBOB_CRITERIA = ("loss", "frame_accuracy")
-# How an averaging round combines the workers' models (labavg.averagers, docs/averaging.md).
+# How an averaging round combines the workers' models (labavg.averaging.methods, docs/averaging.md).
 AVERAGING = ("model", "bmuf", "diloco")
 # How the ranks compute the mean of their parameters (labavg.comm.reduce, docs/averaging.md).
 REDUCE = ("allreduce", "butterfly", "ring")
-# What a round sends (labavg.payload, docs/averaging.md): the fp32 parameters (the paper), or
+# What a round sends (labavg.averaging.payload, docs/averaging.md): the fp32 parameters (the paper), or
 # their change since the last round in 16 bits or as integer codes of PAYLOAD_BITS bits.
 PAYLOADS = ("fp32", "bf16", "fp16", "int")
 PAYLOAD_BITS = (4, 8, 16)
-# Whether a round's mean runs while the next minibatches compute (labavg.overlap).
+# Whether a round's mean runs while the next minibatches compute (labavg.averaging.overlap).
 OVERLAP = ("none", "eager", "streaming")
 
 SEED_LIMIT = 2**32  # numpy's SeedSequence refuses negatives; 32 bits as Kaldi's --srand
@@ -320,7 +320,7 @@ class NewbobConfig:
 
 @dataclass(frozen=True)
 class BMUFConfig:
-    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averagers, docs/averaging.md).
+    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averaging.methods, docs/averaging.md).
 
     Each round's change of the averaged model is filtered with block momentum before it is
     applied; a steady change is amplified by block_lr / (1 - momentum) in the long run, which
@@ -351,7 +351,7 @@ class DiLoCoConfig:
 
 @dataclass(frozen=True)
 class HierarchyConfig:
-    """Hierarchical averaging (labavg.averagers.HierarchicalAverager, docs/averaging.md): the
+    """Hierarchical averaging (labavg.averaging.hierarchy.HierarchicalAverager, docs/averaging.md): the
     ranks of a node average every K minibatches (`average_every`), all ranks every `every`."""
 
     every: int = setting(0, "minibatches between averaging rounds across nodes, a multiple of "
@@ -423,9 +423,9 @@ class TrainConfig:
     log_every: int = setting(1, "minibatches between per-minibatch events", _POSITIVE)
     tensorboard: bool = setting(True, "write TensorBoard files")
     inject_fault: str | None = setting(None, 'a deliberate fault, e.g. "nan@rank1:step20" '
-                                       "(labavg.faults)")
+                                       "(labavg.base.faults)")
     watchdog_seconds: float = setting(
-        120.0, "a rank silent this long ends the job (0: off; labavg.watchdog)",
+        120.0, "a rank silent this long ends the job (0: off; labavg.comm.watchdog)",
         _real(0, text="finite and >= 0 (0 turns the watchdog off)"))
     decode_data: str | None = setting(
         None, "decode this at the end (a data dir, or a corpus with dev/ and test/); "
@@ -570,7 +570,7 @@ def _hierarchy_problem(v: Mapping[str, Any], size: int | None) -> str | None:
 
 
 def _overlap_problem(v: Mapping[str, Any]) -> str | None:
-    """What `overlap` does not combine with (labavg.overlap, docs/averaging.md "Overlap")."""
+    """What `overlap` does not combine with (labavg.averaging.overlap, docs/averaging.md "Overlap")."""
     mode = v["overlap"]
     if v["hierarchy"].every > 0:
         return f"overlap = {mode} does not combine with hierarchy.every > 0 yet"
@@ -578,7 +578,7 @@ def _overlap_problem(v: Mapping[str, Any]) -> str | None:
         return (f"overlap = {mode} needs reduce = allreduce (the backend's non-blocking "
                 f"collective); reduce = {v['reduce']} is a blocking exchange")
     if v["payload"] != "fp32":
-        # The compressed payloads are gathered by a blocking allgather (labavg.payload).
+        # The compressed payloads are gathered by a blocking allgather (labavg.averaging.payload).
         return (f"overlap = {mode} does not combine with payload = {v['payload']!r} yet "
                 f"(set payload = \"fp32\" or overlap = \"none\")")
     tensors = 2 * (v["model"].hidden_layers + 1)  # a weight and a bias per affine layer
@@ -807,7 +807,7 @@ def parameter_count(cfg: ModelConfig, input_dim: int, num_pdfs: int) -> int:
     """Trainable scalars a DNN of `cfg` would have, computed without building it.
 
     Python integers, so an absurd shape gives an exact huge number rather than an overflow;
-    `labavg.config.check_model_size` uses it to refuse a model before anything is allocated.
+    `labavg.base.config.check_model_size` uses it to refuse a model before anything is allocated.
     """
     out_dim = cfg.hidden_dim // cfg.pnorm_group if cfg.nonlinearity == "pnorm" else cfg.hidden_dim
     total, dim = 0, input_dim

@@ -42,13 +42,13 @@ class RunStarted(Event):
     average_every: int
     effective_lr: float
     start_step: int
-    averaging: str = "model"  # the averaging method (labavg.averagers)
+    averaging: str = "model"  # the averaging method (labavg.averaging.methods)
     reduce: str = "allreduce"  # the algorithm computing the mean (labavg.comm.reduce)
     payload: str = "fp32"  # what a round sends: fp32, bf16, fp16, int4, int8, int16
     bytes_per_round: int = 0  # what each rank puts into a round's collective across all ranks
     hierarchy_every: int = 0  # K2, minibatches between rounds across nodes (0: no hierarchy)
     node_ranks: int = 0  # ranks in this rank's node (0: no hierarchy)
-    overlap: str = "none"  # none, eager, streaming (labavg.overlap)
+    overlap: str = "none"  # none, eager, streaming (labavg.averaging.overlap)
     fragment_bytes: tuple[int, ...] = ()  # overlap: what a round of each fragment sends
 
 

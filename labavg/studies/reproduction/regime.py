@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from labavg.reporting import interval, mean_sd, num, words
-from labavg.results import Run, paired, select, stat, trace_stat
-from labavg.verdicts import ACCURACY_MARGIN, Spread, spread, verdict
+from labavg.studies.reproduction.tables import interval, mean_sd, num, words
+from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
+from labavg.studies.reproduction.verdicts import ACCURACY_MARGIN, Spread, spread, verdict
 
 # The paper's corpus (300 h at 100 frames/s) and minibatch (1024 frames) give its updates per
 # worker per epoch, for placing its runs on the map.

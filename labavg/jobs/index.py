@@ -162,7 +162,7 @@ def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
     return run_row(name, summary.get("config", {}), summary)
 
 
-# The settings tables of each averaging method (labavg.averagers): a run reads only its own.
+# The settings tables of each averaging method (labavg.averaging.methods): a run reads only its own.
 METHOD_TABLES = {"model": (), "bmuf": ("bmuf",), "diloco": ("diloco",)}
 
 

@@ -1,9 +1,9 @@
-"""The engine side of labavg.cluster: what runs inside each ipyparallel MPI engine.
+"""The engine side of labavg.jobs.cluster: what runs inside each ipyparallel MPI engine.
 
-The client (labavg.cluster) sends these functions by reference (labavg is importable on the
+The client (labavg.jobs.cluster) sends these functions by reference (labavg is importable on the
 engines); their state lives in the engine's user namespace, like a %px variable.
 
-`start_run` runs `labavg.runs.run_training` in a background thread (the engine stays free for
+`start_run` runs `labavg.jobs.runs.run_training` in a background thread (the engine stays free for
 `request_stop` and %px) and streams the events back as ipyparallel data messages: each batch
 under its own key `<run>/<seq>` (the client keeps only the latest value per key), and
 `<run>/alive`, a heartbeat the publisher thread refreshes every `heartbeat` seconds even while
@@ -101,8 +101,8 @@ class EngineRun:
             self._cond.notify()
 
     def _train(self) -> None:
-        from labavg.config import config_from_dict
-        from labavg.runs import run_training
+        from labavg.base.config import config_from_dict
+        from labavg.jobs.runs import run_training
 
         try:
             cfg = config_from_dict(self.cfg_dict, "submitted config")

@@ -9,7 +9,7 @@ as dicts), `stop()` (all ranks stop together at the next averaging round, with a
     JobRun       a job of processes under mpiexec (backend mpi) or torchrun (backend torch);
                  this process owns it: it holds the run directory's lock, checks what can be
                  checked once, and mpiexec/torchrun end when it dies, however it dies
-    EnginesRun   the ranks of an ipyparallel cluster of MPI engines (labavg.cluster)
+    EnginesRun   the ranks of an ipyparallel cluster of MPI engines (labavg.jobs.cluster)
 
 A job's configuration travels as a file (RUN_DIR/.launch.json, removed when the job ends),
 never as re-parsed flags: its ranks run `labavg train --config-json FILE`. `allow_pipes`
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from labavg.config import TrainConfig, config_from_dict, to_dict, validate
-from labavg.errors import UserError
+from labavg.base.config import TrainConfig, config_from_dict, to_dict, validate
+from labavg.base.errors import UserError
 
 LAUNCH_FILE = ".launch.json"
 STOP_FILE = ".stop"
@@ -43,7 +43,7 @@ class RunHandle(Protocol):
     """What every way of running a configuration gives back."""
 
     def poll(self) -> list[dict[str, Any]]:
-        """The events (dicts, labavg.events) that arrived since the last call."""
+        """The events (dicts, labavg.base.events) that arrived since the last call."""
 
     def stop(self) -> None:
         """Ask every rank to stop at the next averaging round; returns at once."""
@@ -72,7 +72,7 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
     `launcher` None picks by backend: threads for inproc and a local 1-rank mpi run, a job
     for mpi and torch. `hosts` (MPICH host list) runs an mpi job on other machines. `cwd` runs
     the ranks in that directory (Kaldi resolves scp paths against it), as a job of one process
-    when the backend needs no launcher. `cluster` (a labavg.cluster.Cluster) runs on its
+    when the backend needs no launcher. `cluster` (a labavg.jobs.cluster.Cluster) runs on its
     engines; without one, "engines" starts a cluster of cfg.ranks engines for the run.
     `allow_pipes` lets data files run commands; only the command line's --allow-pipes sets it.
     """
@@ -116,7 +116,7 @@ class ThreadRun:
         self._thread.start()
 
     def _run(self, resume: bool, allow_pipes: bool, progress: bool) -> None:
-        from labavg.runs import run_training
+        from labavg.jobs.runs import run_training
 
         try:
             self._summary = run_training(self.cfg, resume=resume, progress=progress,
@@ -195,7 +195,7 @@ class JobRun:
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
                  hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None):
-        from labavg.runs import EventTail, EVENTS, LOCK_HELD_ENV, preflight, run_dir_lock
+        from labavg.jobs.runs import EventTail, EVENTS, LOCK_HELD_ENV, preflight, run_dir_lock
 
         self.cfg = cfg
         self.run_dir = Path(cfg.out) if cwd is None else Path(cwd) / cfg.out
@@ -209,7 +209,7 @@ class JobRun:
             launch_file = self.run_dir / LAUNCH_FILE
             self._stop_file = self.run_dir / STOP_FILE
             self._stop_file.unlink(missing_ok=True)
-            from labavg.checkpoint import atomic_write_text
+            from labavg.base.checkpoint import atomic_write_text
 
             atomic_write_text(launch_file, json.dumps(
                 {"config": to_dict(cfg), "resume": resume,
@@ -290,7 +290,7 @@ class JobRun:
         return not self._watch.is_alive()
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        from labavg.runs import SUMMARY
+        from labavg.jobs.runs import SUMMARY
 
         _join(self._watch, timeout, str(self.run_dir))
         if self.code != 0:
@@ -320,7 +320,7 @@ _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
 
 def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
     """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
-    from labavg.runs import EVENTS, read_events
+    from labavg.jobs.runs import EVENTS, read_events
 
     if not pids or not (run_dir / EVENTS).is_file():
         return ""
@@ -330,7 +330,7 @@ def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
 
 def _last_steps(run_dir: Path) -> str:
     """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
-    from labavg.runs import EVENTS, read_events
+    from labavg.jobs.runs import EVENTS, read_events
 
     if not (run_dir / EVENTS).is_file():
         return "no rank logged any event"
@@ -345,11 +345,11 @@ def _last_steps(run_dir: Path) -> str:
 
 
 class EnginesRun:
-    """The run on the MPI engines of a `labavg.cluster.Cluster` (one started for it if none)."""
+    """The run on the MPI engines of a `labavg.jobs.cluster.Cluster` (one started for it if none)."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, cluster=None):
         # Imported here: ipyparallel engines are optional and may be missing or broken.
-        from labavg.cluster import Cluster
+        from labavg.jobs.cluster import Cluster
 
         self._owned = cluster is None
         self.cluster = Cluster.start(cfg.ranks) if cluster is None else cluster

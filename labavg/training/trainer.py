@@ -23,16 +23,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from labavg import checkpoint
-from labavg.averagers import make_averager
-from labavg.averaging import broadcast_parameters, flatten_parameters
+from labavg.base import checkpoint
+from labavg.averaging.factory import make_averager
+from labavg.averaging.mean import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
-from labavg.config import TrainConfig, to_dict
+from labavg.base.config import TrainConfig, to_dict
 from labavg.data.base import UtteranceSource
-from labavg.errors import PeerFailed, UserError, one_line, user_error_of
+from labavg.base.errors import PeerFailed, UserError, one_line, user_error_of
 from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
-from labavg.faults import apply_fault, parse_fault
-from labavg.events import (
+from labavg.base.faults import apply_fault, parse_fault
+from labavg.base.events import (
     Averaged,
     CheckpointSaved,
     EpochDone,
@@ -42,10 +42,10 @@ from labavg.events import (
     RunFinished,
     RunStarted,
 )
-from labavg.model import DNN, count_parameters
+from labavg.training.model import DNN, count_parameters
 from labavg.optim.base import Optimizer, StepStats
 from labavg.optim.factory import make_optimizer
-from labavg.schedules import exponential_lr, newbob_start, newbob_step, scale_lr, NewbobState
+from labavg.training.schedules import exponential_lr, newbob_start, newbob_step, scale_lr, NewbobState
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _build_model(cfg: TrainConfig, source: UtteranceSource, train_keys, device: 
 
 def _pretrain(model, cfg, source, keys, comm, device) -> Iterator[Event]:
     """RBM pretraining of the sigmoid layers, itself data-parallel with periodic averaging."""
-    from labavg.rbm import pretrain_dbn
+    from labavg.training.rbm import pretrain_dbn
 
     minibatch = cfg.rbm.minibatch_size
     num_steps = steps_per_epoch(keys, source.num_frames, comm.size, minibatch)
@@ -131,7 +131,7 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     Called before any rank allocates a model, so that what every rank would meet is reported once.
     """
-    from labavg.config import check_hierarchy, check_model_size
+    from labavg.base.config import check_hierarchy, check_model_size
 
     if size is not None:  # the launched ranks; validate checked cfg.ranks where it is known
         check_hierarchy(cfg, size)
@@ -185,7 +185,7 @@ def train_rank(
     device: torch.device | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[Event]:
-    """One rank's training run, as a stream of events (see labavg.events).
+    """One rank's training run, as a stream of events (see labavg.base.events).
 
     All ranks run this in lockstep: the same number of minibatches per epoch, averaging after
     every K-th minibatch and at each epoch end. Checkpoints go to `run_dir` when given.
@@ -311,7 +311,7 @@ def train_rank(
                 continue
 
             # Averaging round (Su & Chen 2015): one allreduce of the flat parameter buffer, then
-            # the method's update of the global model (labavg.averagers); with [hierarchy], a
+            # the method's update of the global model (labavg.averaging.methods); with [hierarchy], a
             # "node" round is the plain mean of this rank's node only.
             wants_stop = should_stop is not None and should_stop()
             avg = averager.round(flat, stop=wants_stop, scope=scope)
@@ -321,7 +321,7 @@ def train_rank(
             if scope == "node":
                 progress.node_rounds += 1
                 progress.node_bytes_sent += avg.bytes_sent
-            # Overlapped rounds (labavg.overlap) say which part of the round was non-blocking.
+            # Overlapped rounds (labavg.averaging.overlap) say which part of the round was non-blocking.
             progress.overlap_seconds += getattr(avg, "overlap_seconds", 0.0)
             progress.overlap_bytes_sent += getattr(avg, "overlap_bytes", 0)
             progress.wait_seconds += getattr(avg, "wait_seconds", 0.0)
@@ -492,7 +492,7 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
         return
     from labavg.comm.devices import select_device
     from labavg.comm.world import open_communicator
-    from labavg.watchdog import Watchdog, WatchedCommunicator
+    from labavg.comm.watchdog import Watchdog, WatchedCommunicator
 
     comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)
     watchdog = None

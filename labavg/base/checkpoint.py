@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from labavg.errors import UserError
+from labavg.base.errors import UserError
 
 MANIFEST = "latest.json"
 
