@@ -5,72 +5,27 @@ and package __init__ files import nothing (docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = [REPO / "labavg", REPO / "dashboard"]
+_spec = importlib.util.spec_from_file_location("architecture", REPO / "scripts" / "architecture.py")
+architecture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(architecture)
 
-# Lowest first; a module may import its own layer's modules and those of lower layers only.
-# Layers on one line are peers that do not import each other.
-LAYERS = [
-    ["labavg.base"],
-    ["labavg.comm", "labavg.optim", "labavg.data"],
-    ["labavg.averaging"],
-    ["labavg.training"],
-    ["labavg.decode"],
-    ["labavg.jobs"],
-    ["labavg.studies"],
-    ["dashboard"],
-    ["labavg.cli"],
-    ["labavg.__main__"],
-]
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
+_modules, _layer = architecture.modules, architecture.layer
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in package.rglob("*.py"):
-            parts = path.relative_to(REPO).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
-    return found
-
-
-def _layer(module: str) -> tuple[int, str]:
-    if module in ("labavg", "dashboard"):  # the packages themselves: a docstring and a version
-        return 0, module
-    for level, names in enumerate(LAYERS):
-        for name in names:
-            if module == name or module.startswith(name + "."):
-                return level, name
-    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS and docs/architecture.md")
-
-
-def _imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The project modules `path` imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
-        else:
-            continue
-        for name in names:
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name and name not in ("labavg", "dashboard"):
-                found.add(name)
-    return found
+def _imports(path: Path, known) -> set[str]:
+    return set(architecture.imports(path, known))
 
 
 def _graph() -> dict[str, set[str]]:
-    known = _modules()
-    return {name: _imports(path, known) - {name} for name, path in known.items()}
+    return architecture.graph()
 
 
 def test_every_module_sits_in_a_layer_and_imports_only_below_or_beside_in_its_own():
