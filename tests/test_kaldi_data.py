@@ -6,8 +6,10 @@ import kaldiio
 import numpy as np
 import pytest
 
-from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier, read_matrix,
-                               read_scp)
+from labavg.data.archives import MatrixTable, read_matrix
+from labavg.data.cmvn import CmvnTable, apply_cmvn
+from labavg.data.rxfilenames import is_rspecifier
+from labavg.data.text_tables import read_scp
 from labavg.base.errors import DataError
 
 FULL = "AMI_ES2011a_H00_FEE041_0003714_0003915"

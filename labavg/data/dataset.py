@@ -2,7 +2,7 @@
 
     open_dataset("data/train", ali_dir="exp/tri3_ali")   # run from the recipe dir
 
-Features stay on disk and are read one utterance at a time (labavg.data.kaldi);
+Features stay on disk and are read one utterance at a time (labavg.data.archives);
 alignments are read whole into int32 arrays. Everything is checked up front so
 that a bad corpus fails at open time with one readable DataError.
 """
@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from labavg.data.alignment import as_int_vector, read_ali_dir, read_int_vectors
-from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier,
-                               read_text_lines)
+from labavg.data.archives import MatrixTable
+from labavg.data.cmvn import CmvnTable, apply_cmvn
+from labavg.data.rxfilenames import is_rspecifier
+from labavg.data.text_tables import read_text_lines
 from labavg.data.textgrid import (build_phone_table, count_frames, read_phone_intervals,
                                   read_phone_table, textgrid_labels)
 from labavg.base.errors import DataError

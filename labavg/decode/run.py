@@ -142,7 +142,7 @@ class TestSet:
 def load_set(task: Task, data: Path) -> TestSet:
     """Features of `data` (feats.scp keys) through the model's pipeline, and their transcripts."""
     from labavg.data.dataset import load_checked, open_cmvn, open_features
-    from labavg.data.kaldi import apply_cmvn
+    from labavg.data.cmvn import apply_cmvn
 
     if not Path(data).is_dir():
         raise DataError(f"decode data {data} is not a Kaldi data directory")
