@@ -17,7 +17,7 @@ import torch
 
 from labavg.decode.decoder import DEFAULT_BEAM, Decoder
 from labavg.decode.model import load_final_model
-from labavg.decode.run import load_set, prepare
+from labavg.decode.task import load_set, prepare
 
 
 def main() -> None:

@@ -321,7 +321,7 @@ def _add_compare_parser(sub) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from labavg.decode.run import compare_decodes, format_comparison
+    from labavg.decode.compare import compare_decodes, format_comparison
 
     a, b, comparison = compare_decodes(args.run_a, args.run_b, args.set_name)
     if args.json:

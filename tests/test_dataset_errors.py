@@ -386,3 +386,16 @@ def test_kaldiio_multi_line_messages_become_one_line(tmp_path):
         open_dataset(folder, skip_mismatched=True)
     assert "\n" not in str(info.value) and "File format is wrong" in str(info.value)
     assert "feats.scp line 1 (key 'utt0')" in str(info.value)
+
+
+def test_num_pdfs_argument_beats_the_data_dirs_file(tmp_path):
+    feats, pdfs = small_corpus()
+    folder = make_data_dir(tmp_path / "d", feats, pdfs, num_pdfs=7)
+    data = open_dataset(folder, num_pdfs=9)
+    assert data.num_pdfs == 9 and data.num_pdfs_source == "the num_pdfs argument"
+    assert open_dataset(folder).num_pdfs_source == str(folder / "num_pdfs")
+
+
+def test_alignment_model_beats_the_num_pdfs_argument(recipe):
+    data = open_dataset("data/train_yesno", ali_dir="exp/mono0a", num_pdfs=99)
+    assert data.num_pdfs == 11 and data.num_pdfs_source.endswith("final.mdl")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from labavg.data import synth
-from labavg.decode import run as decode
-from labavg.decode.run import SetResult, compare_decodes, write_decode_dir
+from labavg.decode.compare import compare_decodes
+from labavg.decode.decode_dir import write_decode_dir
+from labavg.decode import task as decode_task
 from labavg.decode.score import compare_error_rates, error_rate
 from labavg.base.errors import DataError, UserError
 
@@ -86,10 +87,11 @@ def test_a_small_difference_on_few_words_is_not_resolved():
 
 def _decode_dir(run: Path, refs, hyps, acwt=0.1, keys=None):
     keys = keys or [f"u{i:04d}" for i in range(len(refs))]
-    test = decode.TestSet(name="test", keys=keys, loglikes=[], refs=refs, oov=0, seconds=0.0)
+    test = decode_task.TestSet(name="test", keys=keys, loglikes=[], refs=refs, oov=0, seconds=0.0)
     other = [[] for _ in refs]  # another scale, which compare must not read
-    result = SetResult(test=test, wers={acwt: error_rate(refs, hyps), 0.05: error_rate(refs, other)},
-                       hyps={acwt: hyps, 0.05: other}, decode_seconds=0.0, frames=0)
+    result = decode_task.SetResult(test=test, wers={acwt: error_rate(refs, hyps),
+                                                    0.05: error_rate(refs, other)},
+                                   hyps={acwt: hyps, 0.05: other}, decode_seconds=0.0, frames=0)
     write_decode_dir(run / "decode_test", result, acwt, None, {"set": "test", "acwt": acwt,
                                                                "acwt_from": "dev"})
 

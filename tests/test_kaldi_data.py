@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
+
 import kaldiio
 import numpy as np
 import pytest
 
-from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier, read_matrix,
-                               read_scp)
+from labavg.data.archives import MatrixTable, read_matrix
+from labavg.data.cmvn import CmvnTable, apply_cmvn
+from labavg.data.object_header import ObjectHeader, parse_header
+from labavg.data.rxfilenames import is_rspecifier
+from labavg.data.text_tables import read_scp
 from labavg.base.errors import DataError
 
 FULL = "AMI_ES2011a_H00_FEE041_0003714_0003915"
@@ -148,3 +153,39 @@ def test_cmvn_table_per_speaker_and_global(shared_data, monkeypatch):
     assert single.stats_for("anything")[0, -1] == 2672
     raw = read_matrix("mfcc/cmvn_train_yesno.ark:7")
     np.testing.assert_allclose(raw, stats)
+
+
+def _kaldi_bytes(array: np.ndarray, compression_method: int | None = None) -> bytes:
+    buffer = io.BytesIO()
+    kaldiio.save_mat(buffer, array, compression_method=compression_method)
+    return buffer.getvalue()
+
+
+def _never_called() -> str:
+    raise AssertionError("the place of a sound matrix header is never named")
+
+
+@pytest.mark.parametrize("array, method, kind", [
+    (np.ones((3, 4), np.float32), None, "FM"), (np.ones((3, 4)), None, "DM"),
+    (np.ones((6, 4), np.float32), 2, "CM"), (np.ones((6, 4), np.float32), 3, "CM2"),
+    (np.ones((6, 4), np.float32), 5, "CM3"), (np.ones(5, np.float32), None, "FV"),
+    (np.ones(5), None, "DV"), (np.arange(5, dtype=np.int32), None, "IV")])
+def test_object_header_gives_kind_shape_and_the_whole_size(array, method, kind):
+    data = _kaldi_bytes(array, method)
+    # Matrices, read once per utterance at open time, are checked without naming their place.
+    place = _never_called if kind in ("FM", "DM", "CM", "CM2", "CM3") else "x"
+    header = parse_header(data[:32], len(data), place)
+    cols = array.shape[1] if array.ndim == 2 else None
+    assert header == ObjectHeader(kind, array.shape[0], cols, len(data))
+    # One byte short: the quick path for common matrices gives way to the full check.
+    with pytest.raises(DataError, match=rf"^x: {kind} header says .* \({len(data)} bytes\) but only "
+                                        rf"{len(data) - 1} bytes are left"):
+        parse_header(data[:32], len(data) - 1, "x")
+
+
+@pytest.mark.parametrize("kind", ["FM", "CM", "FV"])
+def test_object_header_cut_short_is_truncated(kind):
+    array = np.ones((6, 4) if kind != "FV" else 5, np.float32)
+    data = _kaldi_bytes(array, 2 if kind == "CM" else None)[:8]
+    with pytest.raises(DataError, match=r"^x: truncated object header \(8 bytes left"):
+        parse_header(data, 100, "x")

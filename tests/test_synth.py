@@ -8,7 +8,7 @@ import kaldiio
 import numpy as np
 import pytest
 
-from labavg.data import synth
+from labavg.data import synth, synth_phones, synth_signal
 from labavg.base.errors import UserError
 
 TINY_HOURS = 0.02  # 72 s of speech, well under a second to make
@@ -42,7 +42,7 @@ def test_is_a_consistent_kaldi_dir(corpus):
     assert [u for utts in spk2utt.values() for u in utts] == keys
     num_frames = {k: int(v) for k, v in _table(corpus / "utt2num_frames").items()}
     num_pdfs = int((corpus / "num_pdfs").read_text())
-    assert num_pdfs == 3 * len(synth.phone_names()) == 120
+    assert num_pdfs == 3 * len(synth_phones.phone_names()) == 120
     for key in keys:
         assert feats[key].dtype == np.float32 and feats[key].shape[1] == 40
         assert np.isfinite(feats[key]).all()
@@ -59,12 +59,12 @@ def test_is_a_consistent_kaldi_dir(corpus):
 
 def test_tables_agree_with_pdf_formula(corpus):
     phones = [line.split() for line in (corpus / "phones.txt").read_text().splitlines()]
-    assert [name for name, _ in phones] == synth.phone_names()
+    assert [name for name, _ in phones] == synth_phones.phone_names()
     assert [int(i) for _, i in phones] == list(range(40))
     pdfs = [line.split() for line in (corpus / "pdfs.txt").read_text().splitlines()]
     assert len(pdfs) == 120
     for pdf, phone, state in pdfs:
-        assert int(pdf) == 3 * synth.phone_names().index(phone) + int(state)
+        assert int(pdf) == 3 * synth_phones.phone_names().index(phone) + int(state)
 
 
 def test_scp_paths_are_absolute_and_final(corpus):
@@ -137,15 +137,15 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
 def test_frame_labels_use_frame_centres():
     # 25 ms frames every 10 ms: frame i's centre is at 12.5 + 10 i ms.
     ends = np.array([0.030, 0.051, 0.2])
-    labels = synth.frame_labels(ends, np.array([7, 8, 9]), 5, 16000)
+    labels = synth_signal.frame_labels(ends, np.array([7, 8, 9]), 5, 16000)
     np.testing.assert_array_equal(labels, [7, 7, 8, 8, 9])  # centres 12.5, 22.5, 32.5, 42.5, 52.5 ms
 
 
 def test_fbank_is_kaldi_framed():
     wave = np.sin(np.arange(16000) * 0.3).astype(np.float32) * 1000
-    feats = synth.compute_fbank(wave, 16000)
+    feats = synth_signal.compute_fbank(wave, 16000)
     assert feats.shape == (1 + (16000 - 400) // 160, 40)  # snip_edges=true
-    np.testing.assert_array_equal(feats, synth.compute_fbank(wave, 16000))  # no dither
+    np.testing.assert_array_equal(feats, synth_signal.compute_fbank(wave, 16000))  # no dither
     peak = np.argmax(feats.mean(0))  # 0.3 rad/sample = 764 Hz: a low mel bin
     assert 5 <= peak <= 14
 

@@ -1,7 +1,7 @@
 """Per-frame pdf alignments: int-vector tables, Kaldi alignment dirs, TextGrids.
 
 Alignments are small next to features (one integer per frame), so they are read
-whole and kept in memory as int32 arrays; features stay lazy (labavg.data.kaldi).
+whole and kept in memory as int32 arrays; features stay lazy (labavg.data.archives).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from labavg.data.kaldi import (is_pipe, is_rspecifier, iter_ark, iter_table, one_line,
-                               refuse_pipe, split_rspecifier)
+from labavg.data.archives import iter_ark, iter_table
+from labavg.data.rxfilenames import (is_pipe, is_rspecifier, one_line, refuse_pipe,
+                                     split_rspecifier)
 from labavg.data.transition import TransitionModel, read_transition_model
 from labavg.base.errors import DataError
 

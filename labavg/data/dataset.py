@@ -2,7 +2,7 @@
 
     open_dataset("data/train", ali_dir="exp/tri3_ali")   # run from the recipe dir
 
-Features stay on disk and are read one utterance at a time (labavg.data.kaldi);
+Features stay on disk and are read one utterance at a time (labavg.data.archives);
 alignments are read whole into int32 arrays. Everything is checked up front so
 that a bad corpus fails at open time with one readable DataError.
 """
@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from labavg.data.alignment import as_int_vector, read_ali_dir, read_int_vectors
-from labavg.data.kaldi import (CmvnTable, MatrixTable, apply_cmvn, is_rspecifier,
-                               read_text_lines)
+from labavg.data.archives import MatrixTable
+from labavg.data.cmvn import CmvnTable, apply_cmvn
+from labavg.data.rxfilenames import is_rspecifier
+from labavg.data.text_tables import read_text_lines
 from labavg.data.textgrid import (build_phone_table, count_frames, read_phone_intervals,
                                   read_phone_table, textgrid_labels)
 from labavg.base.errors import DataError
@@ -279,17 +281,60 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
     stats = open_cmvn(data_dir, cmvn, allow_pipes) if apply_cmvn else None
 
     source = _label_source(data, data_dir, ali, ali_dir, textgrid)
-    sources = [] if source == "pdf_ali" else [source]
-    pdf_source = ""
-    table: list[str] | None = None
+    labels = _read_labels(source, features, data_dir, ali, ali_dir, textgrid, phone_table,
+                          allow_pipes)
+    num_pdfs, pdf_source = _known_num_pdfs(num_pdfs, labels, data_dir)
+    ali_name = ({"ali_dir": f"alignment dir {ali_dir}", "ali": f"alignments {ali}",
+                 "textgrid": f"TextGrids {textgrid}"}.get(source) if source != "pdf_ali"
+                else f"{data_dir / 'pdf_ali.ark'}")
+    keys, missing, extra = _common_keys(features, labels, ali_name, data, skip_mismatched)
+
+    num_frames, feat_dim, frames_from = count_all_frames(features, keys, data_dir)
+    if stats is not None:
+        stats.check_covers(keys, feat_dim)
+    pdfs = labels.pdfs
+    if labels.textgrids is not None:
+        pdfs = _textgrid_pdfs(labels, keys, num_frames, snip_edges)
+    num_pdfs, pdf_source = _check_pdfs(pdfs, keys, num_frames, features, ali_name, num_pdfs,
+                                       pdf_source)
+
+    return KaldiUtterances(
+        keys=keys, num_frames=num_frames, feat_dim=feat_dim, num_pdfs=int(num_pdfs),
+        features=features, pdfs={k: pdfs[k] for k in keys}, cmvn=stats, norm_vars=norm_vars,
+        num_pdfs_source=pdf_source, dropped_keys=missing if skip_mismatched else [],
+        unused_alignment_keys=extra if skip_mismatched else [], frames_from=frames_from)
+
+
+@dataclass
+class _Labels:
+    """What an alignment source gave before frame counts are known.
+
+    `pdfs` per key (None for TextGrids, labelled once frame counts are known from
+    `textgrids`, {key: path}, with `phone_table`); `num_pdfs` and `num_pdfs_source`
+    when the source itself says (an alignment dir's model).
+    """
+
     pdfs: dict[str, np.ndarray] | None = None
-    labels_from: dict[str, Path] | None = None
-    if ali_dir is not None:
+    textgrids: dict[str, Path] | None = None
+    phone_table: list[str] | None = None
+    num_pdfs: int | None = None
+    num_pdfs_source: str = ""
+
+    def keys(self) -> set[str]:
+        return set(self.pdfs) if self.pdfs is not None else set(self.textgrids or {})
+
+
+def _read_labels(source: str, features: MatrixTable, data_dir: Path | None, ali: str | None,
+                 ali_dir: PathLike | None, textgrid: PathLike | dict | None,
+                 phone_table: list[str] | PathLike | None, allow_pipes: bool) -> _Labels:
+    """Read the alignment source `_label_source` chose (TextGrids: their paths and labels)."""
+    if source == "ali_dir":
         pdfs, model = read_ali_dir(ali_dir)
-        num_pdfs, pdf_source = model.num_pdfs, f"{Path(ali_dir) / 'final.mdl'}"
-    elif ali is not None:
-        pdfs = read_int_vectors(str(ali), allow_pipes=allow_pipes)
-    elif textgrid is not None:
+        return _Labels(pdfs, num_pdfs=model.num_pdfs,
+                       num_pdfs_source=f"{Path(ali_dir) / 'final.mdl'}")
+    if source == "ali":
+        return _Labels(read_int_vectors(str(ali), allow_pipes=allow_pipes))
+    if source == "textgrid":
         labels_from = textgrid_paths(textgrid, features.keys)
         if isinstance(phone_table, (str, os.PathLike)):
             table = read_phone_table(phone_table)
@@ -300,20 +345,29 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
             for path in labels_from.values():
                 names |= {label for _, _, label in read_phone_intervals(path)[0]}
             table = build_phone_table(names)
-    else:
-        pdfs = read_int_vectors(f"ark:{data_dir / 'pdf_ali.ark'}")
+        return _Labels(textgrids=labels_from, phone_table=table)
+    return _Labels(read_int_vectors(f"ark:{data_dir / 'pdf_ali.ark'}"))
 
-    if num_pdfs is not None and not pdf_source:
-        pdf_source = "the num_pdfs argument"
-    elif data_dir is not None and (data_dir / "num_pdfs").is_file() and not pdf_source:
-        num_pdfs, pdf_source = read_num_pdfs_file(data_dir / "num_pdfs"), str(data_dir / "num_pdfs")
-    elif table is not None and not pdf_source:
-        num_pdfs, pdf_source = len(table), f"the phone table ({len(table)} phones)"
 
-    ali_keys = set(pdfs) if pdfs is not None else set(labels_from or {})
-    ali_name = ({"ali_dir": f"alignment dir {ali_dir}", "ali": f"alignments {ali}",
-                 "textgrid": f"TextGrids {textgrid}"}.get(sources[0]) if sources
-                else f"{data_dir / 'pdf_ali.ark'}")
+def _known_num_pdfs(num_pdfs: int | None, labels: _Labels, data_dir: Path | None
+                    ) -> tuple[int | None, str]:
+    """num_pdfs and where it came from, in open_dataset's order of preference (None: not known)."""
+    if labels.num_pdfs_source:
+        return labels.num_pdfs, labels.num_pdfs_source
+    if num_pdfs is not None:
+        return num_pdfs, "the num_pdfs argument"
+    if data_dir is not None and (data_dir / "num_pdfs").is_file():
+        return read_num_pdfs_file(data_dir / "num_pdfs"), str(data_dir / "num_pdfs")
+    if labels.phone_table is not None:
+        table = labels.phone_table
+        return len(table), f"the phone table ({len(table)} phones)"
+    return None, ""
+
+
+def _common_keys(features: MatrixTable, labels: _Labels, ali_name: str, data: PathLike,
+                 skip_mismatched: bool) -> tuple[list[str], list[str], list[str]]:
+    """(keys with features and alignments, feature keys without, alignment keys without)."""
+    ali_keys = labels.keys()
     missing = [k for k in features.keys if k not in ali_keys]
     extra = sorted(ali_keys - set(features.keys))
     if (missing or extra) and not skip_mismatched:
@@ -329,23 +383,34 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
     if not keys:
         raise DataError(f"empty data set: no utterance of {data} has both features and an "
                         f"alignment in {ali_name}")
+    return keys, missing, extra
 
-    num_frames, feat_dim, frames_from = count_all_frames(features, keys, data_dir)
-    if stats is not None:
-        stats.check_covers(keys, feat_dim)
-    if labels_from is not None:
-        pdfs = {}
-        for key in keys:
-            _, duration = read_phone_intervals(labels_from[key])
-            natural = count_frames(duration, snip_edges)
-            if abs(natural - num_frames[key]) > TEXTGRID_FRAME_TOLERANCE:
-                raise DataError(f"{labels_from[key]}: the TextGrid lasts {duration:.3f}s "
-                                f"({natural} frames) but utterance {key!r} has "
-                                f"{num_frames[key]} feature frames; wrong TextGrid?")
-            labels, _ = textgrid_labels(labels_from[key], phone_table=table,
-                                        num_frames=num_frames[key], snip_edges=snip_edges)
-            pdfs[key] = labels.astype(np.int32)
 
+def _textgrid_pdfs(labels: _Labels, keys: list[str], num_frames: dict[str, int],
+                   snip_edges: bool) -> dict[str, np.ndarray]:
+    """Each utterance's frame labels from its TextGrid, which must last as long as its features."""
+    pdfs = {}
+    for key in keys:
+        path = labels.textgrids[key]
+        _, duration = read_phone_intervals(path)
+        natural = count_frames(duration, snip_edges)
+        if abs(natural - num_frames[key]) > TEXTGRID_FRAME_TOLERANCE:
+            raise DataError(f"{path}: the TextGrid lasts {duration:.3f}s "
+                            f"({natural} frames) but utterance {key!r} has "
+                            f"{num_frames[key]} feature frames; wrong TextGrid?")
+        frame_labels, _ = textgrid_labels(path, phone_table=labels.phone_table,
+                                          num_frames=num_frames[key], snip_edges=snip_edges)
+        pdfs[key] = frame_labels.astype(np.int32)
+    return pdfs
+
+
+def _check_pdfs(pdfs: dict[str, object], keys: list[str], num_frames: dict[str, int],
+                features: MatrixTable, ali_name: str, num_pdfs: int | None, pdf_source: str
+                ) -> tuple[int, str]:
+    """Make each key's labels an int vector of one pdf per frame, in range; (num_pdfs, source).
+
+    `pdfs` is updated in place. Without a known num_pdfs, max(pdf)+1 is the last resort.
+    """
     for key in keys:
         pdfs[key] = as_int_vector(pdfs[key], f"{ali_name} key {key!r}")
         if len(pdfs[key]) != num_frames[key]:
@@ -363,9 +428,4 @@ def open_dataset(data: PathLike, *, ali: str | None = None, ali_dir: PathLike | 
             raise DataError(f"utterance {key!r} in {ali_name}: pdf id {int(pdfs[key][frame])} "
                             f"at frame {frame} is out of range 0..{num_pdfs - 1} "
                             f"(num_pdfs {num_pdfs} from {pdf_source})")
-
-    return KaldiUtterances(
-        keys=keys, num_frames=num_frames, feat_dim=feat_dim, num_pdfs=int(num_pdfs),
-        features=features, pdfs={k: pdfs[k] for k in keys}, cmvn=stats, norm_vars=norm_vars,
-        num_pdfs_source=pdf_source, dropped_keys=missing if skip_mismatched else [],
-        unused_alignment_keys=extra if skip_mismatched else [], frames_from=frames_from)
+    return num_pdfs, pdf_source

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from praatio import textgrid as praat_textgrid
 
-from labavg.data.kaldi import one_line, read_text_lines
+from labavg.data.rxfilenames import one_line
+from labavg.data.text_tables import read_text_lines
 from labavg.base.errors import DataError
 
 FRAME_SHIFT = 0.01

@@ -23,7 +23,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
-from labavg.data.kaldi import one_line
+from labavg.data.rxfilenames import one_line
 from labavg.base.errors import DataError
 
 NO_PDF = -1  # kNoPdf in hmm/hmm-topology.h: the non-emitting final state
