@@ -7,6 +7,7 @@ import time
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether the process runs; a zombie (ended, not yet reaped by its parent) counts as gone."""
     import psutil
 
     try:
