@@ -187,7 +187,7 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
     from labavg.base.config import TrainConfig, cli_flags, load_config, validate, with_overrides
-    from labavg.jobs.runs import load_config_of
+    from labavg.jobs.run_dir import load_config_of
 
     if args.resume:
         cfg = load_config_of(Path(args.resume))
@@ -211,7 +211,8 @@ def train_config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher, launcher_rank
     from labavg.jobs.launch import JobFailed, rank_config, start_run
-    from labavg.jobs.runs import format_table, run_training
+    from labavg.jobs.runs import run_training
+    from labavg.jobs.summary import format_table
 
     try:
         if args.config_json:  # a rank of a job labavg.jobs.launch started
@@ -360,7 +361,7 @@ def _runs_under(path: str) -> list[Path]:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from labavg.jobs.index import CONFIG, SUMMARY, read_json
-    from labavg.jobs.runs import format_table, read_summary
+    from labavg.jobs.summary import format_table, read_summary
 
     run_dirs, seen = [], set()
     for path in args.run_dirs:

@@ -30,7 +30,9 @@ from labavg.base.config import (
 )
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
-from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 from labavg.studies.sweep import load_sweep, run_sweep
 from labavg.training.trainer import train
 

@@ -15,14 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from labavg.jobs.cluster import Cluster, RunError
+from labavg.jobs.cluster import Cluster
+from labavg.jobs.cluster_run import RunError
+from labavg.jobs.processes import pid_alive
 from labavg.base.config import DataConfig, TrainConfig
 from labavg.base.errors import UserError
 from labavg.training.model import ModelConfig
-from labavg.jobs.runs import read_events, read_summary
+from labavg.jobs.index import read_events
+from labavg.jobs.summary import read_summary
 
 pytest.importorskip("ipyparallel")
 pytest.importorskip("mpi4py")
@@ -52,19 +54,12 @@ def make_cfg(out: Path, corpus: Path, average_every: int, epochs: int = 1) -> Tr
                        tensorboard=False)
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_engines_are_ordered_by_mpi_rank(cluster):
     info = cluster.info()
     assert cluster.ranks == [0, 1]
     assert [i["rank"] for i in info] == [0, 1] and all(i["size"] == 2 for i in info)
     assert [i["device"] for i in info] == ["cpu", "cpu"]
-    assert len({i["pid"] for i in info}) == 2 and all(alive(i["pid"]) for i in info)
+    assert len({i["pid"] for i in info}) == 2 and all(pid_alive(i["pid"]) for i in info)
     # %px-style code on the view sees the engine's rank and can import labavg
     cluster.view.execute("import labavg.jobs.cluster; seen = (rank, size, str(device))")
     assert cluster.view.pull("seen") == [(0, 2, "cpu"), (1, 2, "cpu")]
@@ -140,7 +135,7 @@ def test_attach_finds_the_running_engines_and_detaches_without_stopping_them(clu
         assert attached.info() == cluster.info()
     finally:
         attached.shutdown()
-    assert all(alive(i["pid"]) for i in cluster.info())
+    assert all(pid_alive(i["pid"]) for i in cluster.info())
     assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
 
 
@@ -194,7 +189,7 @@ def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corp
     assert str(failure.value).startswith("rank 1 died") and f"step {failure.value.step}" in str(failure.value)
 
     handle.kill()  # the survivor is stuck in (or aborted by) the collective: fresh engines
-    assert cluster.ranks == [0, 1] and not alive(victim)
+    assert cluster.ranks == [0, 1] and not pid_alive(victim)
     assert victim not in [i["pid"] for i in cluster.info()]
     summary = cluster.submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
     assert summary["average_every"] == 8 and summary["steps"] > 0
@@ -208,9 +203,9 @@ def test_kill_recovers_engines_hung_in_a_collective(cluster, corpus, tmp_path):
     with pytest.raises(TimeoutError):
         hung.get(timeout=1)
     started = time.monotonic()
-    cluster.restart()  # what RunHandle.kill() does
+    cluster.restart()  # what ClusterRun.kill() does
     assert time.monotonic() - started < 60
-    assert cluster.ranks == [0, 1] and not any(alive(pid) for pid in pids)
+    assert cluster.ranks == [0, 1] and not any(pid_alive(pid) for pid in pids)
     assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
 
 
@@ -225,9 +220,9 @@ def test_shutdown_of_engines_hung_in_mpi_says_so_and_leaves_no_processes(cluster
     with caplog.at_level(logging.WARNING):
         cluster.shutdown(grace=2)
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert [pid for pid in pids if alive(pid)] == []
+    assert [pid for pid in pids if pid_alive(pid)] == []
     said = [r.getMessage() for r in caplog.records if "did not exit" in r.getMessage()]
     assert len(said) == 1 and f"[{hung}]" in said[0]
 
@@ -246,4 +241,4 @@ def test_a_normal_shutdown_in_a_notebook_prints_nothing(corpus, tmp_path):
         # ipyparallel used to print the engines' logs (~6 KB, with tracebacks) and its stop steps
         assert said == "", said[-3000:]
     pids = json.loads((tmp_path / "pids.json").read_text())
-    assert len(pids) >= 4 and [pid for pid in pids if alive(pid)] == []
+    assert len(pids) >= 4 and [pid for pid in pids if pid_alive(pid)] == []

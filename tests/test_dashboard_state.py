@@ -535,7 +535,7 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
     assert live.summary["average_every"] == 4
     [row] = RunTable(runs_dir=str(tmp_path / "runs")).refresh()
     assert row["K"] == 4
-    from labavg.jobs.runs import format_table
+    from labavg.jobs.summary import format_table
 
     assert "| 1 | 4 |" in format_table([{"run": "r", **live.summary}])
 

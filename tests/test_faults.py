@@ -20,7 +20,9 @@ from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import Message, RunFinished
 from labavg.base.faults import parse_fault
-from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 from labavg.training.trainer import train
 
 from test_train import SMALL, _cli, final_params, small_config

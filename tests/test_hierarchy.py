@@ -24,7 +24,8 @@ from labavg.base.config import BMUFConfig, HierarchyConfig, TrainConfig, validat
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved
-from labavg.jobs.runs import read_events, read_summary
+from labavg.jobs.index import read_events
+from labavg.jobs.summary import read_summary
 from labavg.training.trainer import train
 
 from test_train import SMALL, final_params, small_config

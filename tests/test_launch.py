@@ -15,7 +15,7 @@ import pytest
 from labavg.base.config import DataConfig, to_dict
 from labavg.base.errors import UserError
 from labavg.jobs.launch import LAUNCH_FILE, JobFailed, start_run
-from labavg.jobs.runs import read_events
+from labavg.jobs.index import read_events
 
 from test_dataset_errors import make_data_dir, small_corpus
 from test_train import small_config

@@ -24,7 +24,8 @@ import torch
 
 from labavg.base import checkpoint
 from labavg.comm.launchers import find_mpiexec
-from labavg.jobs.runs import read_events, read_summary
+from labavg.jobs.index import read_events
+from labavg.jobs.summary import read_summary
 
 from test_train import SMALL, final_params
 

@@ -25,7 +25,8 @@ from labavg.comm.launchers import mpiexec_command
 from labavg.base.config import BMUFConfig, TrainConfig, validate, with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.overlap import OVERLAP, OverlapAverager, fragment_bounds
-from labavg.jobs.runs import read_events, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
 
 from test_train import final_params, small_config
 from support import cli_refusal, load_ranks

@@ -26,7 +26,9 @@ from labavg.comm.launchers import mpiexec_command
 from labavg.base.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload_bytes
-from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, cli_refusal, free_port as _free_port, launch,
@@ -419,7 +421,7 @@ def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
 
 def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
     from labavg.jobs.index import run_row
-    from labavg.jobs.runs import format_table
+    from labavg.jobs.summary import format_table
     from labavg.studies.sweep import COLUMNS
 
     config = {"ranks": 4, "averaging": "model", "payload": "int", "payload_bits": 4}

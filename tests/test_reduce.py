@@ -36,7 +36,9 @@ from labavg.comm.launchers import mpiexec_command
 from labavg.comm.reduce import bounds, reduce_mean
 from labavg.base.config import REDUCE, TrainConfig, load_config, validate, with_overrides
 from labavg.base.errors import UserError
-from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, free_port as _free_port, launch,

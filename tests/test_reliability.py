@@ -16,7 +16,6 @@ from pathlib import Path
 
 import kaldiio
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -26,7 +25,11 @@ from labavg.data.dataset import open_dataset
 from labavg.data.frames import split_cv
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved, EpochDone
-from labavg.jobs.runs import read_events, read_summary, run_dir_lock, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.processes import pid_alive as _alive
+from labavg.jobs.run_dir import run_dir_lock
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 from labavg.training.trainer import train
 
 from test_train import small_config
@@ -68,13 +71,6 @@ def _max_step(run_dir: Path) -> int:
     if not (run_dir / "events.jsonl").is_file():
         return 0
     return max((e.get("step", 0) for e in read_events(run_dir)), default=0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _clean_up(proc: subprocess.Popen, pids: list[int]) -> None:

@@ -152,7 +152,7 @@ def test_a_run_stopped_while_it_decoded_is_decoded_when_the_sweep_resumes(tmp_pa
 
 def test_a_point_another_job_holds_is_passed_by_and_trained_later(corpus, tmp_path, capsys):
     """Two sweeps of one directory (two processes, or two nodes) share its points."""
-    from labavg.jobs.runs import run_dir_lock
+    from labavg.jobs.run_dir import run_dir_lock
 
     spec = tmp_path / "s.toml"
     write_sweep(spec, corpus, "ranks = [1, 2]")

@@ -19,7 +19,9 @@ from labavg.base.config import DataConfig, TrainConfig, validate
 from labavg.data.dataset import open_dataset
 from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
 from labavg.training.model import DNN, ModelConfig
-from labavg.jobs.runs import read_events, read_summary, run_training
+from labavg.jobs.index import read_events
+from labavg.jobs.runs import run_training
+from labavg.jobs.summary import read_summary
 from labavg.training.trainer import train
 
 PYTHON = sys.executable

@@ -195,7 +195,9 @@ class JobRun:
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
                  hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None):
-        from labavg.jobs.runs import EventTail, EVENTS, LOCK_HELD_ENV, preflight, run_dir_lock
+        from labavg.jobs.index import EVENTS, EventTail
+        from labavg.jobs.run_dir import LOCK_HELD_ENV, run_dir_lock
+        from labavg.jobs.runs import preflight
 
         self.cfg = cfg
         self.run_dir = Path(cfg.out) if cwd is None else Path(cwd) / cfg.out
@@ -290,7 +292,7 @@ class JobRun:
         return not self._watch.is_alive()
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        from labavg.jobs.runs import SUMMARY
+        from labavg.jobs.index import SUMMARY
 
         _join(self._watch, timeout, str(self.run_dir))
         if self.code != 0:
@@ -320,7 +322,7 @@ _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
 
 def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
     """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
-    from labavg.jobs.runs import EVENTS, read_events
+    from labavg.jobs.index import EVENTS, read_events
 
     if not pids or not (run_dir / EVENTS).is_file():
         return ""
@@ -330,7 +332,7 @@ def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
 
 def _last_steps(run_dir: Path) -> str:
     """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
-    from labavg.jobs.runs import EVENTS, read_events
+    from labavg.jobs.index import EVENTS, read_events
 
     if not (run_dir / EVENTS).is_file():
         return "no rank logged any event"

@@ -39,8 +39,9 @@ from labavg.base.checkpoint import atomic_write_text, latest_step
 from labavg.base.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import SUMMARY, flatten_config, summary_row
-from labavg.jobs.runs import (RunDirBusy, decode_pending, finish_decode, lock_held, read_summary,
-                         run_dir_lock)
+from labavg.jobs.run_dir import RunDirBusy, lock_held, run_dir_lock
+from labavg.jobs.runs import decode_pending, finish_decode
+from labavg.jobs.summary import read_summary
 
 COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer", "pretrain",
            "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",

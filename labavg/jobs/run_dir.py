@@ -1,0 +1,200 @@
+"""Run directories: what a finished or running training run leaves on disk, who may write one,
+and what a resume may change.
+
+RUN_DIR/config.json      the TrainConfig (written by rank 0 when the run starts)
+RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.base.events)
+RUN_DIR/summary.json     results, written by rank 0 at the end
+RUN_DIR/tensorboard/     TensorBoard event files, one folder per rank
+RUN_DIR/checkpoints/     see labavg.base.checkpoint
+RUN_DIR/.lock            held (flock) by the job writing the directory; names its holder
+RUN_DIR/heartbeat/       each rank's watchdog heartbeat while it runs (labavg.comm.watchdog)
+
+labavg.jobs.runs writes them (run_training); labavg.jobs.index reads them back.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from labavg.base.checkpoint import latest_step
+from labavg.comm.launchers import launcher_rank
+from labavg.base.config import TrainConfig, config_from_dict, to_dict
+from labavg.base.errors import UserError, one_line
+from labavg.comm.watchdog import HEARTBEAT_DIR
+from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, read_json
+
+LOCK = ".lock"
+# Set by a launcher that holds the run directory's lock for its ranks (to the resolved path).
+LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
+
+# Settings a resume may change: none of them changes what is computed (inproc and mpi are
+# bitwise the same; a fault is injected once). `ranks` is not among them: it changes the
+# sharding and, through lr_scaling, the learning rate.
+RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "log_every",
+                    "tensorboard", "watchdog_seconds", "inject_fault")
+
+
+def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -> None:
+    """Refuse to mix a new run into an existing run directory, and resumes that change results.
+
+    A resume continues an unfinished run (killed, or stopped on request) with the settings it
+    was started with; a finished run is left as it is (its summary feeds speedups).
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file, not a directory")
+    if resume:
+        found = latest_step(run_dir)
+        if found is None:
+            raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
+        summary = read_json(run_dir / SUMMARY)
+        if summary is not None and not summary.get("stopped"):
+            raise UserError(
+                f"--resume: {run_dir} has finished (step {summary.get('steps')}, {SUMMARY}); "
+                f"nothing to resume: start a new run with another --out to train more")
+        if cfg is not None and launcher_rank() == 0:
+            # Once per job: the other ranks learn of a refusal through the start-up agreement.
+            check_resume_config(run_dir, cfg, found[1])
+        return
+    if (run_dir / EVENTS).exists() or (run_dir / SUMMARY).exists():
+        raise UserError(
+            f"run directory {run_dir} already holds a run; pass --resume to continue it or choose "
+            f"another --out"
+        )
+
+
+def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) -> None:
+    """UserError naming every setting that differs from the run's own and would change results.
+
+    The run's own settings are those its last checkpoint was trained with.
+    """
+    from labavg.base.checkpoint import load_rank_state
+
+    step, _ = latest_step(run_dir)
+    saved = load_rank_state(run_dir, step, 0).get("config")
+    stored = _in_force(config_from_dict(saved, f"checkpoint {step}") if isinstance(saved, dict)
+                       else load_config_of(run_dir))
+    wanted = _in_force(cfg)
+    changed = [key for key in _leaves(wanted)
+               if key.split(".")[0] not in RESUME_FREE_KEYS and _get(stored, key) != _get(wanted, key)]
+    if changed:
+        shown = ", ".join(f"{k} = {_get(stored, k)!r} -> {_get(wanted, k)!r}" for k in changed[:4])
+        more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
+        raise UserError(
+            f"--resume: {run_dir} was trained with other settings: {shown}{more}; a resume keeps "
+            f"them (only {', '.join(k for k in RESUME_FREE_KEYS if k != 'out')} may change)")
+    if checkpoint_ranks != cfg.ranks:
+        raise UserError(f"--resume: the checkpoint of {run_dir} holds {checkpoint_ranks} ranks but "
+                        f"the run has ranks = {cfg.ranks}")
+
+
+def _in_force(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings as the trainer applies them: an unset max-change is its optimizer's default."""
+    values = to_dict(cfg)
+    values["max_change_per_sample"], values["max_param_change"] = cfg.max_change_limits()
+    return values
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        out += _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return out
+
+
+def _get(values: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
+class RunDirBusy(UserError):
+    """The run directory is locked by another live job."""
+
+
+@contextmanager
+def lock_held(run_dir: Path) -> Iterator[None]:
+    """Tell jobs started inside (in this process or its children) that the lock is held here."""
+    before = os.environ.get(LOCK_HELD_ENV)
+    os.environ[LOCK_HELD_ENV] = str(Path(run_dir).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOCK_HELD_ENV, None)
+        else:
+            os.environ[LOCK_HELD_ENV] = before
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR/.lock for the life of the job, so that a second job cannot write there.
+
+    Taken by the process that owns the job: the launcher that starts mpiexec (its ranks then
+    find LOCK_HELD_ENV), the in-process trainer, or rank 0 of a job started by mpiexec, srun
+    or torchrun. The lock is an flock, so it goes with its holder however that ends. A
+    directory this call created and left holding only the lock is removed again.
+    """
+    run_dir = Path(run_dir)
+    resolved = str(run_dir.resolve())
+    if os.environ.get(LOCK_HELD_ENV) == resolved or launcher_rank() != 0:
+        yield
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} is a file, not a directory")
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot write run directory {run_dir}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            raise RunDirBusy(f"run directory {run_dir} is in use by another job ({_describe(holder)}); "
+                            f"wait for it to end or stop it first") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+        if created and {p.name for p in run_dir.iterdir()} <= {LOCK, HEARTBEAT_DIR}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        return f"pid {info['pid']} on {info['host']} since {info['since']}: {info['command']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def load_config_of(run_dir: Path) -> TrainConfig:
+    """The TrainConfig a run directory was started with."""
+    path = Path(run_dir) / CONFIG
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a labavg run directory: {path} is missing") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise UserError(f"{path}: not a valid labavg configuration ({one_line(exc)}); "
+                        f"the run cannot be resumed") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: not a valid labavg configuration (expected a JSON object)")
+    return config_from_dict(values, str(path))
