@@ -105,11 +105,6 @@ def effect(runs: list[Run], base: dict[str, Any], pair: Pair) -> Effect:
                   spread(paired(worse, better, "cv_frame_accuracy")))
 
 
-def verdict_summary(runs: list[Run], base: dict[str, Any]) -> list[tuple[str, str]]:
-    """(comparison, verdict) for every comparison of the report's first table."""
-    return [(pair.title, effect(runs, base, pair).verdict) for pair in HEADLINE]
-
-
 def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
     """The sweep's base values of the varied settings (from its file, else the commonest)."""
     if sweep_file is not None and sweep_file.is_file():
