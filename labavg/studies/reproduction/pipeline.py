@@ -24,7 +24,7 @@ from labavg.base.errors import UserError
 from labavg.studies.reproduction import beyond, regime
 from labavg.studies.reproduction.paper import base_settings
 from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
-from labavg.studies.reproduction.results import (RESULTS_FILE, collect, select, with_recorded,
+from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, select, with_recorded,
                                                  write_results_file)
 from labavg.studies.reproduction.speedup import MPI_POINTS
 from labavg.studies.reproduction.sweep_files import Experiments
@@ -127,7 +127,9 @@ def _jobs(exp: Experiments, out: Path, yesno: Path | None) -> list[Job]:
     return jobs
 
 
-def _draw_figures(runs, exp: Experiments, figure: Path, beyond_figure: Path) -> None:
+def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,
+                  beyond_figure: Path) -> None:
+    """The regime map and the Beyond figure, from the runs there are."""
     points = regime.regime_points(runs["regime"])
     if points:
         base = base_settings(runs["paper"], exp.paper)
