@@ -18,7 +18,7 @@ median of --reps repetitions after two warm-up ones. Links:
 
 alpha and beta of each link and rank count are then fitted by least squares on relative error
 to the alpha-beta formula of MPICH's allreduce for large buffers (Rabenseifner,
-`2 lg p alpha + 2 (p-1)/p n beta`; labavg.studies.costmodel.fit_network), once to every size and once
+`2 lg p alpha + 2 (p-1)/p n beta`; labavg.studies.costfit.fit_network), once to every size and once
 to sizes >= 1 MB (what averaging a real model moves, and above tbf's bucket), and each
 measurement is shown against both. --train adds a 2-rank training run on loopback and across
 1 Gb/s nodes, and compares the communication and epoch time the cost model predicts from the
@@ -190,7 +190,7 @@ def fit(results: dict[str, dict], min_bytes: int = 0,
     Rank counts are fitted apart: on a machine with fewer cores than ranks the extra ranks
     measure the scheduler, not the link.
     """
-    from labavg.studies.costmodel import LinkSample, fit_network
+    from labavg.studies.costfit import LinkSample, fit_network
 
     fits = {}
     for link, entry in results.items():

@@ -16,7 +16,7 @@ on one rank count alone, and each figure is the median over the jobs (the JSON k
 The cost model's alpha (s per message) and beta (s per byte) are fitted on the 2-rank job:
 ranks 0 and 1 swap messages of 8 B .. 16 MiB with MPI_Sendrecv, the very step the
 algorithms are made of; alpha from the small messages, beta from the large ones
-(`fit_alpha_beta`). Not `costmodel.fit_network`, which fits them to allreduce times: fitted
+(`fit_alpha_beta`). Not `costfit.fit_network`, which fits them to allreduce times: fitted
 to one of the algorithms compared, that algorithm's ratio would be 1 by construction. Predictions are `costmodel.allreduce_seconds` with formula
 "rabenseifner" for allreduce (MPICH's choice for messages over 2 KiB) and butterfly, "ring"
 for ring. The model has no reduction term and knows nothing of oversubscription: with more

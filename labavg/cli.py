@@ -254,7 +254,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from labavg.studies.reproduction.report import reproduce
+    from labavg.studies.reproduction.pipeline import reproduce
 
     if args.parallel < 1:
         raise UserError(f"--parallel must be >= 1, got {args.parallel}")
@@ -262,7 +262,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     out, experiments, report = Path(args.out), Path(args.experiments), Path(args.report)
     figure = Path(args.figure) if args.figure else None
     if args.tiny:
-        from labavg.studies.reproduction.report import tiny_experiments
+        from labavg.studies.reproduction.sweep_files import tiny_experiments
 
         for name in ("paper.toml", "regime.toml"):
             if not (experiments / name).is_file():

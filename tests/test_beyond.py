@@ -34,21 +34,29 @@ def _runs():
     return runs
 
 
+def _cells(rows: list[str]) -> list[list[str]]:
+    """A markdown table's body rows as stripped cells (the header and its rule left out)."""
+    return [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows[2:]]
+
+
+def _row(rows: list[str], *first: str) -> list[str]:
+    return next(c for c in _cells(rows) if c[:len(first)] == list(first))
+
+
 def test_the_table_pairs_each_method_with_plain_averaging_at_the_same_k():
     runs = _runs()
     one = beyond.select([r for r in runs if r.get("ranks") == 1])
     rows = beyond.table(runs, one)
-    text = "\n".join(rows)
-    assert rows[2].startswith("| 1 | - |") and "reference" in rows[2]
-    bmuf10 = next(r for r in rows if r.startswith("| 16 | 10 | BMUF |"))
+    assert _cells(rows)[0][:2] == ["1", "-"] and _cells(rows)[0][-1] == "reference"
+    bmuf10 = _row(rows, "16", "10", "BMUF")
     # 100 ln(model / bmuf) per seed: 8.70, 8.18, 7.66 -> +8.2 %, excluding zero
     gain = sum(100 * math.log((12.0 + 0.1 * s) / (11.0 + 0.15 * s)) for s in range(3)) / 3
-    assert f"| {gain:+.1f} [" in bmuf10 and bmuf10.endswith("| better |")
-    diloco = next(r for r in rows if r.startswith("| 16 | 10 | DiLoCo |"))
-    assert "| unresolved: " in diloco
-    k200 = next(r for r in rows if r.startswith("| 16 | 200 | model"))
-    assert "| 4.0 | 5 |" in k200  # MB sent per worker (5 rounds of 0.8 MB) and the rounds
-    assert text.count("reference") == 3  # 1 worker, and model at K = 10 and at K = 200
+    assert bmuf10[9].startswith(f"{gain:+.1f} [") and bmuf10[-1] == "better"
+    assert _row(rows, "16", "10", "DiLoCo")[-1].startswith("unresolved: ")
+    k200 = _row(rows, "16", "200", "model (the paper's)")
+    assert k200[7:9] == ["4.0", "5"]  # MB sent per worker (5 rounds of 0.8 MB) and the rounds
+    # 1 worker, and model at K = 10 and at K = 200
+    assert sum(c[-1] == "reference" for c in _cells(rows)) == 3
 
 
 def test_verdicts_compare_longer_blocks_with_the_papers_k():
@@ -75,13 +83,13 @@ def test_payloads_are_their_own_rows():
     # Listed after the fp32 runs of the same seeds, as a sweep would find them.
     runs = _runs() + [_run(s, 12.2, payload="int", bits=4) for s in (0, 1)]
     rows = beyond.table(runs, {})
-    int4 = [r for r in rows if "| int4 |" in r]
-    assert len(int4) == 1 and int4[0].startswith("| 16 | 10 | model (the paper's) | int4 | 2 |")
+    int4 = [c for c in _cells(rows) if c[3] == "int4"]
+    assert len(int4) == 1 and int4[0][:5] == ["16", "10", "model (the paper's)", "int4", "2"]
     # The fp32 reference keeps its three seeds, and int4 is paired with it on seeds 0 and 1.
-    fp32 = next(r for r in rows if r.startswith("| 16 | 10 | model (the paper's) | fp32 |"))
-    assert "| fp32 | 3 | 12.10 ± 0.10 |" in fp32
+    fp32 = _row(rows, "16", "10", "model (the paper's)", "fp32")
+    assert fp32[4:6] == ["3", "12.10 ± 0.10"]
     gain = (100 * math.log(12.0 / 12.2) + 100 * math.log(12.1 / 12.2)) / 2  # model against int4
-    assert f"| {gain:+.1f} [" in int4[0]
+    assert int4[0][9].startswith(f"{gain:+.1f} [")
 
 
 def test_the_figure_is_written(tmp_path):

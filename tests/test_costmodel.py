@@ -1,28 +1,31 @@
-"""Cost model: alpha-beta allreduce, epoch time, the fit to Su & Chen's timing table, predictions."""
+"""Cost model (costmodel: alpha-beta allreduce, epoch time, predictions) and its fits (costfit:
+a link's allreduce times, Su & Chen's timing table)."""
 
 from __future__ import annotations
 
 import pytest
 
-from labavg.studies.costmodel import (
-    INFINIBAND,
+from labavg.studies.costfit import (
     LinkSample,
     PAPER_SETUP,
     PAPER_SPEEDUPS,
     PAPER_TABLE,
-    TEN_GBE,
-    MeasuredCosts,
     Setup,
     TableRow,
-    allreduce_coefficients,
-    allreduce_seconds,
-    dnn_num_params,
-    epoch_time,
     fit_paper_table,
     fit_network,
     fit_table,
     fitted_epoch_time,
     fitted_speedup,
+)
+from labavg.studies.costmodel import (
+    INFINIBAND,
+    TEN_GBE,
+    MeasuredCosts,
+    allreduce_coefficients,
+    allreduce_seconds,
+    dnn_num_params,
+    epoch_time,
     from_summary,
     predict,
     speedup,

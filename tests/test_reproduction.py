@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from labavg.studies.reproduction.report import DISCUSSION_MARKER, HEADLINE, PAIRS
+from labavg.studies.reproduction.paper import HEADLINE, PAIRS
+from labavg.studies.reproduction.report import DISCUSSION_MARKER
 from labavg.studies.reproduction.results import Run, paired
 from labavg.studies.reproduction.verdicts import Spread, seeds_to_decide, spread, t_quantile, verdict
 from labavg.studies.sweep import load_sweep
@@ -24,6 +25,17 @@ REPO = Path(__file__).resolve().parent.parent
 def _cli(*args, env_extra=None, timeout=2400) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-m", "labavg", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env_extra or {})})
+
+
+def _cells(line: str) -> list[str]:
+    """A markdown table row's cells, stripped of the padding tabulate adds."""
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _rows(text: str, *first: str) -> list[list[str]]:
+    """The table rows of `text` whose first cells are `first`."""
+    rows = [_cells(line) for line in text.splitlines() if line.startswith("|")]
+    return [c for c in rows if c[:len(first)] == list(first)]
 
 
 def _run(seed: int, wer: float, **settings) -> Run:
@@ -146,33 +158,33 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     # The numbers are the runs': 1 worker's WER is the mean of its two seeds' summaries.
     wers = [json.loads((out / "paper/runs" / f"seed_{s}-ranks_1/summary.json").read_text())["wer"]
             for s in (0, 1)]
-    row = next(line for line in text.splitlines() if line.startswith("| 1 | 2 | "))
+    row = _rows(text, "1", "2")[0]
     assert f"{statistics.fmean(wers):.2f} ± {statistics.stdev(wers):.2f}" in row
     words = ("as the paper", "larger than the paper's", "smaller than the paper's", "opposite",
              "unresolved")
     for n in (8, 16, 32):
-        line = next(line for line in text.splitlines() if line.startswith(f"| {n} | 2 | "))
-        assert line.split("|")[-2].strip().startswith(words), line
+        line = _rows(text, str(n), "2")[0]
+        assert line[-1].startswith(words), line
     # the first screen: every comparison, with a verdict of the one rule from two seeds
     glance = text.split("## Does the paper hold here?")[1].split("## What was chosen")[0]
     for pair in HEADLINE:
-        line = next(line for line in glance.splitlines() if line.startswith(f"| {pair.title} |"))
-        assert line.split("|")[2].strip() == "2", line
-        assert line.split("|")[-2].strip(" *").startswith(
+        line = _rows(glance, pair.title)[0]
+        assert line[1] == "2", line
+        assert line[-1].strip(" *").startswith(
             words + ("128 better", "256 better", "no difference")), line
     assert "\nHere " in glance
     # the regime map: both corpora, 1/2/4 workers, two seeds, losses with intervals
     regime = text.split("## The regime: what predicts")[1].split("## Why the disagreements")[0]
     assert "### Each candidate against the map" in regime
-    rows = [line for line in regime.splitlines() if line.startswith(("| 0.03 |", "| 0.06 |"))]
-    assert len(rows) == 6 and all("| 2 |" in line for line in rows)
-    assert sum("[" in line for line in rows) == 4  # N = 2 and 4 on each corpus
-    assert "#### Measured on this machine" in text and "| 2 | 20 |" in text
+    rows = _rows(regime, "0.03") + _rows(regime, "0.06")
+    assert len(rows) == 6 and all(line[2] == "2" for line in rows)
+    assert sum("[" in line[-1] for line in rows) == 4  # N = 2 and 4 on each corpus
+    assert "#### Measured on this machine" in text and _rows(text, "2", "20")
     # the explaining experiments, each row against the first, seed by seed
     why = text.split("## Why the disagreements: experiments")[1].split("## Speedup")[0]
     assert sum(line.startswith("### ") for line in why.splitlines()) == 3
-    assert "| 32 workers, RBM (4 epochs) | 2 |" in why
-    assert "| Newbob | 2 |" in why and "| 16 workers, no per-frame max-change | 2 |" in why
+    assert _rows(why, "32 workers, RBM (4 epochs)", "2")
+    assert _rows(why, "Newbob", "2") and _rows(why, "16 workers, no per-frame max-change", "2")
 
     # A second run trains nothing and keeps the discussion written below the marker.
     report.write_text(report.read_text() + "A human's discussion.\n")
@@ -183,7 +195,8 @@ def test_the_whole_reproduction_at_a_tiny_size(tmp_path):
     again = report.read_text()
     assert again.endswith("A human's discussion.\n") and again.count(DISCUSSION_MARKER) == 1
     # what the notebooks read where the runs are not: the same runs, the same report
-    from labavg.studies.reproduction.report import Experiments, render_report
+    from labavg.studies.reproduction.report import render_report
+    from labavg.studies.reproduction.sweep_files import Experiments
     from labavg.studies.reproduction.results import read_results_file
 
     results = read_results_file(out / "experiments" / "reproduction-results.jsonl")
@@ -200,3 +213,64 @@ def test_a_missing_sweep_file_is_refused_before_anything_runs(tmp_path):
                 "--report", str(tmp_path / "R.md"))
     assert proc.returncode == 2 and f"{tmp_path / 'paper.toml'}: no such sweep file" in proc.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "R.md").exists()
+
+
+def test_a_markdown_table_keeps_cells_as_written_in_a_github_pipe_table():
+    from labavg.studies.reproduction.tables import markdown_table
+
+    lines = markdown_table(("a", "b"), [("0.10", "1,234"), (2, "**x ± y**")])
+    assert lines[0].startswith("| a") and set(lines[1]) <= {"|", "-"} and len(lines) == 4
+    assert _cells(lines[2]) == ["0.10", "1,234"] and _cells(lines[3]) == ["2", "**x ± y**"]
+    assert len(markdown_table(("a",), [])) == 2  # no rows: the header and its rule
+
+
+def test_every_table_of_the_report_is_a_pipe_table_with_a_cell_per_column(tmp_path):
+    from labavg.studies.reproduction.report import render_report
+    from labavg.studies.reproduction.results import RESULTS_FILE, read_results_file
+    from labavg.studies.reproduction.sweep_files import Experiments
+
+    runs = read_results_file(REPO / "experiments" / RESULTS_FILE)
+    text = render_report(runs, Experiments(REPO / "experiments"), command="x", seconds=0,
+                         figure=None, report=tmp_path / "R.md")
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append(line)
+        elif block:
+            tables.append(block)
+            block = []
+    assert len(tables) >= 15
+    for table in tables:
+        width = len(_cells(table[0]))
+        assert set(table[1]) <= {"|", "-"} and len(_cells(table[1])) == width, table[:2]
+        assert all(len(_cells(row)) == width for row in table[2:]), table[0]
+    assert "## Speedup" in text and "## Beyond the paper" in text
+
+
+def test_the_tiny_sweep_files_keep_the_grids_with_two_seeds_on_tiny_corpora(tmp_path):
+    import tomllib
+
+    from labavg.studies.reproduction.sweep_files import TINY_BASE, tiny_experiments
+
+    dest = tiny_experiments(REPO / "experiments", tmp_path / "tiny")
+    for name in ("paper", "regime", "explain"):
+        source = tomllib.loads((REPO / "experiments" / f"{name}.toml").read_text())
+        tiny = tomllib.loads((dest / f"{name}.toml").read_text())
+        assert tiny["base"]["epochs"] == TINY_BASE["epochs"]
+        assert tiny["base"]["model"]["hidden_dim"] == TINY_BASE["model"]["hidden_dim"]
+        corpora = [c["out"] for c in tiny["corpus"]]
+        assert corpora and all(c.startswith(str(tmp_path)) for c in corpora)
+        assert tiny["base"]["data"]["data"] == corpora[0]
+        grids = source["grid"] if isinstance(source["grid"], list) else [source["grid"]]
+        assert len(tiny["grid"]) == len(grids)
+        for was, now in zip(grids, tiny["grid"]):
+            assert set(was) == set(now)
+            if "seed" in was:
+                assert now["seed"] == [0, 1]
+            if "data.data" in was:
+                assert now["data.data"] == corpora
+            if "ranks" in was:
+                assert now["ranks"] == ([1, 2, 4] if name == "regime" else was["ranks"])
+            same = {k for k in was if k not in ("seed", "data.data", "ranks")}
+            assert {k: now[k] for k in same} == {k: was[k] for k in same}
+        assert len(load_sweep(dest / f"{name}.toml").points()) > 0

@@ -178,7 +178,7 @@ def run_sweep(
     which picks threads or a job by backend). `cwd` runs every point in that directory
     (Kaldi recipes' scp paths are relative to it); `out` is taken before it applies.
     `recorded` maps point names to {"settings", "summary"} of runs finished elsewhere (a
-    results file, `labavg.studies.reproduction.report`): a point recorded with the same settings and without
+    results file, `labavg.studies.reproduction.results`): a point recorded with the same settings and without
     a run directory here is not trained again, and its recorded summary is its row.
     """
     if train_point is None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.studies.reproduction.tables import interval as _interval
+from labavg.studies.reproduction.tables import markdown_table
 from labavg.studies.reproduction.tables import mean_sd as _mean_sd
 from labavg.studies.reproduction.tables import num as _num
 from labavg.studies.reproduction.tables import words
@@ -83,12 +84,10 @@ def compare(better: dict[int, Run], worse: dict[int, Run],
 def table(runs: list[Run], one_worker: dict[int, Run]) -> list[str]:
     """One row per (workers, K, method, payload): WER, frame accuracy, bytes, and the paired
     WER difference against plain averaging at the same workers and K."""
-    out = ["| workers | K | method | payload | seeds | WER % (mean ± sd) | CV frame acc % | "
-           "MB sent per worker | rounds | WER gain over model, % (100 ln ratio) [95 % CI] | verdict |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     if one_worker:
-        out.append(f"| 1 | - | - | - | {len(one_worker)} | {_mean_sd(_stat(one_worker, 'wer'))} | "
-                   f"{_mean_sd(_stat(one_worker, 'cv_frame_accuracy'))} | 0 | 0 | - | reference |")
+        rows.append((1, "-", "-", "-", len(one_worker), _mean_sd(_stat(one_worker, "wer")),
+                     _mean_sd(_stat(one_worker, "cv_frame_accuracy")), 0, 0, "-", "reference"))
     for ranks, k, method, payload in _points(runs):
         cell = _cell(runs, ranks, k, method, payload)
         rounds = [r.summary.get("averaging_rounds") for r in cell.values()]
@@ -98,12 +97,14 @@ def table(runs: list[Run], one_worker: dict[int, Run]) -> list[str]:
         else:
             diff, word = compare(cell, _cell(runs, ranks, k, "model"))
             gain = _interval(diff, 1)
-        out.append(
-            f"| {ranks} | {k} | {_LABELS.get(method, method)} | {payload} | {len(cell)} | "
-            f"{_mean_sd(_stat(cell, 'wer'))} | {_mean_sd(_stat(cell, 'cv_frame_accuracy'))} | "
-            f"{_num(_mean_mb(cell), 1)} | {round(sum(rounds) / len(rounds)) if rounds else '-'} | "
-            f"{gain} | {word} |")
-    return out
+        rows.append((ranks, k, _LABELS.get(method, method), payload, len(cell),
+                     _mean_sd(_stat(cell, "wer")), _mean_sd(_stat(cell, "cv_frame_accuracy")),
+                     _num(_mean_mb(cell), 1), round(sum(rounds) / len(rounds)) if rounds else "-",
+                     gain, word))
+    return markdown_table(
+        ("workers", "K", "method", "payload", "seeds", "WER % (mean ± sd)", "CV frame acc %",
+         "MB sent per worker", "rounds", "WER gain over model, % (100 ln ratio) [95 % CI]",
+         "verdict"), rows)
 
 
 def verdicts(runs: list[Run]) -> list[tuple[str, str]]:

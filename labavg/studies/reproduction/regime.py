@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from labavg.studies.reproduction.tables import interval, mean_sd, num, words
+from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, words
 from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
 from labavg.studies.reproduction.verdicts import ACCURACY_MARGIN, Spread, spread, verdict
 
@@ -146,12 +146,10 @@ def fits(points: list[MapPoint]) -> list[Fit]:
 
 
 def fit_table(found: list[Fit]) -> list[str]:
-    out = ["| candidate | fitted on | map points | R^2 | slope, points per unit |",
-           "|---|---|---|---|---|"]
-    for f in found:
-        on = "log2 of it" if f.candidate.log else "itself"
-        out.append(f"| {f.candidate.name} | {on} | {f.points} | {f.r2:.2f} | {f.slope:+.2f} |")
-    return out
+    rows = [(f.candidate.name, "log2 of it" if f.candidate.log else "itself", f.points,
+             f"{f.r2:.2f}", f"{f.slope:+.2f}") for f in found]
+    return markdown_table(("candidate", "fitted on", "map points", "R^2", "slope, points per unit"),
+                          rows)
 
 
 def fit_sentence(found: list[Fit]) -> str:
@@ -236,18 +234,19 @@ def variants(variable_runs: list[Run], map_runs: list[Run]) -> list[Variant]:
 
 
 def variant_table(found: list[Variant]) -> list[str]:
-    out = ["| workers N | change from the map's run | seeds | averaging rounds | frames per round | "
-           "effective lr | updates cut by max-change | CV frame acc change vs the map's run, "
-           "points [95 % CI] | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for v in found:
         cut = "-" if v.here.max_change_cut is None else f"{100 * v.here.max_change_cut:.0f} %"
         was = "-" if v.map.max_change_cut is None else f"{100 * v.map.max_change_cut:.0f} %"
-        out.append(f"| {v.ranks} | {v.change} | {v.here.seeds} | {v.here.rounds:,.0f} (map "
-                   f"{v.map.rounds:,.0f}) | {v.here.frames_per_round:,.0f} (map "
-                   f"{v.map.frames_per_round:,.0f}) | {v.here.effective_lr:.3g} (map "
-                   f"{v.map.effective_lr:.3g}) | {cut} (map {was}) | {interval(v.effect)} | "
-                   f"{v.verdict} |")
-    return out
+        rows.append((v.ranks, v.change, v.here.seeds,
+                     f"{v.here.rounds:,.0f} (map {v.map.rounds:,.0f})",
+                     f"{v.here.frames_per_round:,.0f} (map {v.map.frames_per_round:,.0f})",
+                     f"{v.here.effective_lr:.3g} (map {v.map.effective_lr:.3g})",
+                     f"{cut} (map {was})", interval(v.effect), v.verdict))
+    return markdown_table(
+        ("workers N", "change from the map's run", "seeds", "averaging rounds", "frames per round",
+         "effective lr", "updates cut by max-change",
+         "CV frame acc change vs the map's run, points [95 % CI]", "verdict"), rows)
 
 
 def _moved(v: Variant) -> list[str]:
@@ -297,7 +296,7 @@ def holdout_sentence(best: Fit | None, comparison: list[MapPoint]) -> str:
         return ""
     return ("The predictor was chosen on the map itself, so its R^2 flatters it; on the "
             "comparisons' runs, which it was not fitted to (another corpus, minibatch, number "
-            f"of epochs and learning rate), it predicts a loss of "
+            "of epochs and learning rate), it predicts a loss of "
             + words([f"{x:+.2f}" for x in pred]) + " points at "
             + words([str(p.ranks) for p in pts]) + " workers, where they lost "
             + words([f"{p.loss.mean:+.2f}" for p in pts]) + ".")
@@ -307,15 +306,16 @@ def holdout_sentence(best: Fit | None, comparison: list[MapPoint]) -> str:
 
 
 def regime_table(points: list[MapPoint]) -> list[str]:
-    out = ["| corpus h | workers N | seeds | updates per worker | averaging rounds | updates cut by "
-           "max-change | CV frame acc % (mean ± sd) | loss vs N = 1, points [95 % CI] |",
-           "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for p in points:
         loss = "0 (the reference)" if p.ranks == 1 else interval(p.loss)
         cut = "-" if p.max_change_cut is None else f"{100 * p.max_change_cut:.0f} %"
-        out.append(f"| {round(p.hours, 2):g} | {p.ranks} | {p.seeds} | {p.updates:,.0f} | "
-                   f"{p.rounds:,.0f} | {cut} | {mean_sd(p.accuracy)} | {loss} |")
-    return out
+        rows.append((f"{round(p.hours, 2):g}", p.ranks, p.seeds, f"{p.updates:,.0f}",
+                     f"{p.rounds:,.0f}", cut, mean_sd(p.accuracy), loss))
+    return markdown_table(
+        ("corpus h", "workers N", "seeds", "updates per worker", "averaging rounds",
+         "updates cut by max-change", "CV frame acc % (mean ± sd)",
+         "loss vs N = 1, points [95 % CI]"), rows)
 
 
 def paper_updates_per_worker(ranks: int) -> float:

@@ -1,10 +1,22 @@
-"""How the reproduction's report writes numbers: means over seeds, intervals, shares."""
+"""How the reproduction's report writes numbers and tables: means over seeds, intervals, shares,
+and GitHub pipe tables (tabulate)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any, Iterable, Sequence
+
+from tabulate import tabulate
 
 from labavg.studies.reproduction.verdicts import Spread
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A GitHub pipe table, as lines; cells are written as given (str), never parsed as numbers,
+    so "0.10" and "1,234" stay as the report formatted them."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    return tabulate(cells, headers=list(header), tablefmt="github",
+                    disable_numparse=True).splitlines()
 
 
 def num(value: float | None, digits: int = 2) -> str:

@@ -1,0 +1,172 @@
+"""`labavg reproduce`: run every sweep of experiments/, measure 1 vs 2 MPI ranks, then write
+REPRODUCTION.md, its figures and the results file the notebooks read.
+
+The sweep files: paper.toml (the paper's comparisons, decoded), regime.toml and
+regime-variables.toml (the regime map and what predicts it), explain.toml (the experiments
+behind each disagreement), beyond.toml (BMUF and DiLoCo) and yesno.toml (the real Kaldi recipe,
+when given). Every step is resumable: finished runs are kept, so running it again only adds what
+is missing. Every verdict follows labavg.studies.reproduction.verdicts' one rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from labavg.base.checkpoint import atomic_write_text
+from labavg.base.errors import UserError
+from labavg.studies.reproduction import beyond, regime
+from labavg.studies.reproduction.paper import base_settings
+from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
+from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, select, with_recorded,
+                                                 write_results_file)
+from labavg.studies.reproduction.speedup import MPI_POINTS
+from labavg.studies.reproduction.sweep_files import Experiments
+from labavg.studies.sweep import load_sweep, make_corpora
+
+# (name, sweep file, output directory, working directory or None) of one sweep to run.
+Job = tuple[str, Path, Path, Path | None]
+
+
+def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> None:
+    """`labavg sweep` for each job, `parallel` at a time, logs in OUT.log; the runs `results`
+    records are not trained again (`labavg sweep --recorded`)."""
+    pending, running, failed = list(jobs), [], []
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, file, out, cwd = pending.pop(0)
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out.parent / f"{name}.log", "ab")
+            print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log.name})", flush=True)
+            recorded = ["--recorded", str(results.resolve())] if results and results.is_file() else []
+            proc = subprocess.Popen([sys.executable, "-m", "labavg.cli", "sweep", str(file.resolve()),
+                                     "--out", str(out.resolve()), *recorded], cwd=cwd, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            running.append((name, proc, log))
+        time.sleep(1.0)
+        for item in list(running):
+            name, proc, log = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log.close()
+                if proc.returncode != 0:
+                    failed.append(f"{name} (exit status {proc.returncode}; see {log.name})")
+    if failed:
+        raise UserError(f"sweeps failed: {', '.join(failed)}")
+
+
+def _load_in(file: Path, cwd: Path):
+    """A sweep file whose paths are relative to `cwd` (the yesno recipe)."""
+    file = file.resolve()
+    with contextlib.chdir(cwd):
+        return load_sweep(file)
+
+
+def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | None = None) -> None:
+    """1 and 2 MPI ranks (K = 10 and 20) with the comparisons' model and data; resumable."""
+    from labavg.base.config import validate, with_overrides
+    from labavg.jobs.launch import start_run
+
+    base = load_sweep(paper_file).base
+    for name, ranks, k in MPI_POINTS:
+        run = out / "runs" / name
+        if (run / "summary.json").is_file():
+            continue
+        if run.exists():
+            shutil.rmtree(run)
+        cfg = validate(with_overrides(base, {"out": str(run.resolve()), "ranks": ranks,
+                                             "backend": "mpi", "average_every": k,
+                                             "epochs": epochs, "decode_data": None}))
+        start_run(cfg, cwd=cwd).wait()
+
+
+def yesno_facts(recipe: Path | None) -> dict[str, Any]:
+    """The recipe's test set and its GMM's best WER (exp/mono0a's wer_* files), where given."""
+    if recipe is None:
+        return {}
+    facts: dict[str, Any] = {}
+    try:
+        facts["train_utterances"] = len((recipe / "data/train_yesno/text").read_text().splitlines())
+    except OSError:
+        pass
+    best = None
+    for path in sorted((recipe / "exp").glob("mono*/decode_test_yesno/wer_*")):
+        text = path.read_text(errors="replace")
+        wer = re.search(r"%WER ([\d.]+) \[ \d+ / (\d+)", text)
+        ser = re.search(r"%SER [\d.]+ \[ \d+ / (\d+)", text)
+        if wer and (best is None or float(wer.group(1)) < best[0]):
+            best = (float(wer.group(1)), int(wer.group(2)), int(ser.group(1)) if ser else None)
+    if best is not None:
+        facts.update(gmm_wer=best[0], test_words=best[1], test_utterances=best[2])
+    return facts
+
+
+def _jobs(exp: Experiments, out: Path, yesno: Path | None) -> list[Job]:
+    """The sweeps to run, each file checked before hours of training start."""
+    for path in (exp.paper, exp.regime) + ((exp.yesno,) if yesno is not None else ()):
+        if not path.is_file():
+            raise UserError(f"{path}: no such sweep file (labavg reproduce --experiments DIR)")
+    if yesno is not None and not (yesno / "data").is_dir():
+        raise UserError(f"--yesno {yesno}: not a Kaldi yesno recipe directory (no data/)")
+    for path in (exp.paper, exp.regime):
+        load_sweep(path)
+    jobs: list[Job] = [("paper", exp.paper, out / "paper", None),
+                       ("regime", exp.regime, out / "regime", None)]
+    if yesno is not None:
+        jobs.append(("yesno", exp.yesno, out / "yesno", yesno))
+    for name in ("regime-variables", "explain", "beyond"):
+        path = getattr(exp, name.replace("-", "_"))
+        if path.is_file():
+            jobs.append((name, path, out / name, None))
+    return jobs
+
+
+def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,
+                  beyond_figure: Path) -> None:
+    """The regime map and the Beyond figure, from the runs there are."""
+    points = regime.regime_points(runs["regime"])
+    if points:
+        base = base_settings(runs["paper"], exp.paper)
+        found = regime.fits(points)
+        regime.regime_figure(points, regime.comparison_points(runs["paper"], base),
+                             found[0] if found else None, figure)
+    if runs["beyond"]:
+        beyond.figure(runs["beyond"], select([r for r in runs["beyond"] if r.get("ranks") == 1]),
+                      beyond_figure)
+
+
+def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,
+              report: Path = Path("REPRODUCTION.md"), figure: Path | None = None,
+              parallel: int = 2, mpi: bool = True, results: Path | None = None,
+              train: bool = True, command: str = "labavg reproduce") -> Path:
+    """Run (or resume) every experiment, then write the report and the figure; return its path.
+
+    With `train` False nothing is trained: the report is remade from the runs there are."""
+    start = time.perf_counter()
+    exp = Experiments(experiments)
+    jobs = _jobs(exp, out, yesno)
+    results = results if results is not None else exp.directory / RESULTS_FILE
+    if train:
+        for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
+            make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
+        run_sweeps(jobs, parallel, results)
+        if mpi:
+            measure_mpi(exp.paper, out / "mpi")
+    figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
+    beyond_figure = figure.with_name("beyond-the-paper.png")
+    runs = with_recorded(collect(out), results)
+    write_results_file(runs, results)
+    _draw_figures(runs, exp, figure, beyond_figure)
+    text = render_report(runs, exp, command=command, seconds=time.perf_counter() - start,
+                         figure=figure, report=report, beyond_figure=beyond_figure,
+                         yesno=yesno_facts(yesno))
+    # A discussion written by people below the marker survives regeneration.
+    kept = report.read_text().partition(DISCUSSION_MARKER)[2] if report.is_file() else ""
+    atomic_write_text(report, f"{text}\n{DISCUSSION_MARKER}{kept or chr(10)}")
+    return report
