@@ -21,7 +21,7 @@ from labavg.base.errors import UserError
 from labavg.base.events import Message, RunFinished
 from labavg.base.faults import parse_fault
 from labavg.jobs.runs import read_events, read_summary, run_training
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import SMALL, _cli, final_params, small_config
 

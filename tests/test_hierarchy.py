@@ -25,7 +25,7 @@ from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved
 from labavg.jobs.runs import read_events, read_summary
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import SMALL, final_params, small_config
 from support import cli_refusal

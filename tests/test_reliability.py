@@ -27,7 +27,7 @@ from labavg.data.frames import split_cv
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved, EpochDone
 from labavg.jobs.runs import read_events, read_summary, run_dir_lock, run_training
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import small_config
 

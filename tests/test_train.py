@@ -20,7 +20,7 @@ from labavg.data.dataset import open_dataset
 from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
 from labavg.training.model import DNN, ModelConfig
 from labavg.jobs.runs import read_events, read_summary, run_training
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 PYTHON = sys.executable
 
