@@ -19,7 +19,8 @@ from labavg.averaging.methods import ALL, NODE, Averager, BMUFAverager
 from labavg.averaging.hierarchy import HierarchicalAverager, node_communicator
 from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
-from labavg.comm.inproc import run_inproc, tree_sum
+from labavg.comm.inproc import run_inproc
+from labavg.comm.inproc_group import tree_sum
 from labavg.base.config import BMUFConfig, HierarchyConfig, TrainConfig, validate, with_overrides
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError

@@ -428,7 +428,8 @@ def test_torchrun_names_the_rank_that_met_the_error(poisoned_corpus, tmp_path):
 
 def test_inproc_hang_is_ended_by_the_watchdog(corpus, tmp_path):
     """The dashboard's in-process workers: a hung thread breaks the group instead of the class."""
-    from labavg.comm.inproc import CollectiveTimeout, RankFailed
+    from labavg.comm.inproc import RankFailed
+    from labavg.comm.inproc_group import CollectiveTimeout
 
     cfg = small_config(corpus, tmp_path / "run", inject_fault="hang@rank1:step4",
                        watchdog_seconds=2.0)

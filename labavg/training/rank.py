@@ -49,6 +49,8 @@ def train_rank(
     resume: bool = False,
     device: torch.device | None = None,
     should_stop: Callable[[], bool] | None = None,
+    *,
+    new_averager: Callable[..., RoundAverager] = make_averager,
 ) -> Iterator[Event]:
     """One rank's training run, as a stream of events (see labavg.base.events).
 
@@ -56,9 +58,11 @@ def train_rank(
     the averager says a round is due (every K-th minibatch and each epoch end). Checkpoints go
     to `run_dir` when given. `should_stop` is polled at every averaging round; when it is true
     on any rank, all ranks stop together after that round (with a checkpoint, so the run can
-    be resumed).
+    be resumed). `new_averager(cfg, flat, comm, sizes=...)` makes the run's averager
+    (labavg.averaging.factory.make_averager; any RoundAverager will do).
     """
-    run = yield from _set_up(comm, cfg, source, run_dir, resume, device or torch.device("cpu"))
+    run = yield from _set_up(comm, cfg, source, run_dir, resume, device or torch.device("cpu"),
+                             new_averager)
     run.should_stop = should_stop
     yield _run_started(run)
     while run.progress.step < run.total_steps and not run.stopped:
@@ -110,7 +114,8 @@ class _RankRun:
 # Setup ----------------------------------------------------------------------------------------
 
 def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
-            run_dir: Path | None, resume: bool, device: torch.device) -> Iterator[Event]:
+            run_dir: Path | None, resume: bool, device: torch.device,
+            new_averager: Callable[..., RoundAverager]) -> Iterator[Event]:
     """Data, model, optimizer, the resumed or pretrained start, the averager; returns the
     _RankRun (through `yield from`), yielding pretraining's events on the way."""
     wall_start = time.perf_counter()
@@ -148,7 +153,7 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
-    run.averager = make_averager(cfg, flat, comm, sizes=[p.numel() for p in model.parameters()])
+    run.averager = new_averager(cfg, flat, comm, sizes=[p.numel() for p in model.parameters()])
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
     return run
