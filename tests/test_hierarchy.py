@@ -312,6 +312,24 @@ def test_make_averager_wraps_only_with_a_hierarchy():
     assert run_inproc(4, work) == [(Averager, HierarchicalAverager, 2, 5, 20)] * 4
 
 
+def test_averagers_describe_what_the_run_reports():
+    """RunStarted's averaging fields come from describe(), the hierarchy's included."""
+    def work(comm):
+        flat = torch.zeros(10)
+        int4 = TrainConfig(ranks=4, payload="int", payload_bits=4, error_feedback=False)
+        cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2),
+                          averaging="bmuf")
+        return (make_averager(int4, flat, comm).describe(flat),
+                make_averager(cfg, flat, comm).describe(flat))
+
+    plain, hier = run_inproc(4, work)[0]
+    assert (plain.averaging, plain.payload, plain.hierarchy_every, plain.node_ranks) == (
+        "model", "int4", 0, 0)
+    assert 0 < plain.bytes_per_round < 40  # four bits a value and the chunks' scales
+    assert (hier.averaging, hier.payload, hier.bytes_per_round) == ("bmuf", "fp32", 40)
+    assert (hier.hierarchy_every, hier.node_ranks, hier.overlap) == (20, 2, "none")
+
+
 # --- process backends -----------------------------------------------------------------------
 
 
