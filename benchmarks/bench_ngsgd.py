@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
-from labavg.training.trainer import keep_freed_memory
+from labavg.training.runner import keep_freed_memory
 
 
 def time_steps(model, optimizer, feats, labels, steps: int, batch: int, lr: float, clock) -> float:
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as labavg.training.trainer.train does
+    keep_freed_memory()  # as labavg.training.runner.train does
     device = torch.device(args.device)
     clock = time.perf_counter if args.clock == "wall" or device.type == "cuda" else time.process_time
     gen = torch.Generator().manual_seed(0)

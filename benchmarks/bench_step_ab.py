@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_step_ab.py [--ref main] [--optimizer sgd] [--rounds 15]
 
-Both sides run `labavg.training.trainer.train_step` on the default model in one process, one thread;
+Both sides run `labavg.training.step.train_step` on the default model in one process, one thread;
 only `apply_updates` (labavg/optim/max_change.py, where the per-step bookkeeping of both
 optimizers lives) is swapped between rounds, so machine load shifts both sides alike. Reports
 the per-round ratio old / new of CPU seconds (> 1: the new code is faster) and its spread.
@@ -25,7 +25,7 @@ import labavg.optim.ngsgd as ngsgd_module
 import labavg.optim.sgd as sgd_module
 from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
-from labavg.training.trainer import train_step
+from labavg.training.step import train_step
 
 
 def _module_at(ref: str, path: str, name: str):

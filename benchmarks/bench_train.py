@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from labavg.training.model import DNN, ModelConfig, count_parameters
 from labavg.optim.factory import make_optimizer
-from labavg.training.trainer import keep_freed_memory, train_step
+from labavg.training.runner import keep_freed_memory
+from labavg.training.step import train_step
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -49,7 +50,7 @@ def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10,
     """Step FLOP rate vs matmul peak, and labavg's step vs a minimal loop."""
     torch.set_num_threads(1)
     if not glibc_defaults:
-        keep_freed_memory()  # as labavg.training.trainer.train does; the minimal loop gets it too
+        keep_freed_memory()  # as labavg.training.runner.train does; the minimal loop gets it too
     cfg = ModelConfig()
     x = torch.randn(minibatch, 440)
     y = torch.randint(0, num_pdfs, (minibatch,))
@@ -254,7 +255,7 @@ def main() -> None:
     parser.add_argument("--mpi-repeats", type=int, default=1, help="2-rank runs per setting")
     parser.add_argument("--no-mpi", action="store_true", help="only the step ratios")
     parser.add_argument("--glibc-defaults", action="store_true",
-                        help="time the steps without labavg.training.trainer.keep_freed_memory")
+                        help="time the steps without labavg.training.runner.keep_freed_memory")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = {"loadavg_before": os.getloadavg(), "step": step_ratios(args.minibatch, num_pdfs=120,

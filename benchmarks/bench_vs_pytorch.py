@@ -17,7 +17,7 @@ ModelConfig, the same initial parameters and input normalisation), 2 ranks each:
 The PyTorch ranks read exactly the minibatches labavg's ranks read (labavg.data: split_cv,
 FrameBatches with labavg's seed, shard and steps per epoch; cv_batches for CV), so what differs
 is training, not data pipelines. Every process runs one torch thread (labavg's default) and
-glibc's malloc settings of labavg.training.trainer.keep_freed_memory.
+glibc's malloc settings of labavg.training.runner.keep_freed_memory.
 Reported per epoch: wall seconds (training plus the CV pass, as labavg's EpochDone.seconds)
 and the CV frame accuracy of the averaged / synchronised model.
 """
@@ -50,7 +50,7 @@ def _worker(method: str, corpus: str, epochs: int, result: str) -> None:
     from labavg.data.dataset import open_dataset
     from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
     from labavg.training.model import DNN
-    from labavg.training.trainer import keep_freed_memory
+    from labavg.training.runner import keep_freed_memory
 
     torch.set_num_threads(1)
     keep_freed_memory()  # labavg's ranks run with it; the comparison is of training, not malloc

@@ -68,7 +68,7 @@ def final_params(run: Path) -> torch.Tensor:
 def step_ms(device: torch.device, optimizer: str, repeats: int = 30) -> float:
     from labavg.training.model import DNN, ModelConfig
     from labavg.optim.factory import make_optimizer
-    from labavg.training.trainer import train_step
+    from labavg.training.step import train_step
 
     torch.manual_seed(0)
     model = DNN(440, 120, ModelConfig(hidden_layers=4, hidden_dim=512)).to(device)

@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         user = user_error_of(exc)
         if user is None:
-            from labavg.comm.inproc import CollectiveTimeout
+            from labavg.comm.inproc_group import CollectiveTimeout
             from labavg.comm.watchdog import EXIT_WATCHDOG
 
             cause = getattr(exc, "exc", None)

@@ -34,7 +34,7 @@ from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
 from labavg.studies.sweep import load_sweep, run_sweep
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import SMALL, final_params, small_config
 from support import cli_refusal, stopped_then_resumed

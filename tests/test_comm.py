@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.comm.inproc import (
-    CollectiveMismatch,
-    GroupAborted,
-    RankFailed,
-    iterate_inproc,
-    run_inproc,
-    tree_sum,
-)
+from labavg.comm.inproc import RankFailed, iterate_inproc, run_inproc
+from labavg.comm.inproc_group import CollectiveMismatch, GroupAborted, tree_sum
 from labavg.comm.devices import select_device
 from labavg.comm.launchers import detect_launcher, find_mpiexec, mpiexec_command
 from labavg.comm.world import open_communicator
@@ -85,7 +79,8 @@ def _within(seconds: float, fn, *args):
 
 
 def _one_rank():
-    from labavg.comm.inproc import InProcCommunicator, InProcGroup
+    from labavg.comm.inproc import InProcCommunicator
+    from labavg.comm.inproc_group import InProcGroup
 
     return InProcCommunicator(InProcGroup(1), 0)
 

@@ -23,7 +23,7 @@ from labavg.base.faults import parse_fault
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import SMALL, _cli, final_params, small_config
 

@@ -19,14 +19,15 @@ from labavg.averaging.methods import ALL, NODE, Averager, BMUFAverager
 from labavg.averaging.hierarchy import HierarchicalAverager, node_communicator
 from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
-from labavg.comm.inproc import run_inproc, tree_sum
+from labavg.comm.inproc import run_inproc
+from labavg.comm.inproc_group import tree_sum
 from labavg.base.config import BMUFConfig, HierarchyConfig, TrainConfig, validate, with_overrides
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved
 from labavg.jobs.index import read_events
 from labavg.jobs.summary import read_summary
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import SMALL, final_params, small_config
 from support import cli_refusal
@@ -310,6 +311,24 @@ def test_make_averager_wraps_only_with_a_hierarchy():
         return type(plain), type(hier), hier.node.size, hier.every, hier.every_all
 
     assert run_inproc(4, work) == [(Averager, HierarchicalAverager, 2, 5, 20)] * 4
+
+
+def test_averagers_describe_what_the_run_reports():
+    """RunStarted's averaging fields come from describe(), the hierarchy's included."""
+    def work(comm):
+        flat = torch.zeros(10)
+        int4 = TrainConfig(ranks=4, payload="int", payload_bits=4, error_feedback=False)
+        cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2),
+                          averaging="bmuf")
+        return (make_averager(int4, flat, comm).describe(flat),
+                make_averager(cfg, flat, comm).describe(flat))
+
+    plain, hier = run_inproc(4, work)[0]
+    assert (plain.averaging, plain.payload, plain.hierarchy_every, plain.node_ranks) == (
+        "model", "int4", 0, 0)
+    assert 0 < plain.bytes_per_round < 40  # four bits a value and the chunks' scales
+    assert (hier.averaging, hier.payload, hier.bytes_per_round) == ("bmuf", "fp32", 40)
+    assert (hier.hierarchy_every, hier.node_ranks, hier.overlap) == (20, 2, "none")
 
 
 # --- process backends -----------------------------------------------------------------------

@@ -12,14 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from labavg.averaging.mean import flatten_parameters
+from labavg.base.config import NGConfig
 from labavg.base.errors import UserError
 from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.optim.max_change import per_sample_scale
-from labavg.optim.ngsgd import (
-    NGSGD,
+from labavg.optim.natural_gradient import (
     FisherState,
-    NGConfig,
     OnlineNaturalGradient,
     compute_beta,
     compute_et,
@@ -33,6 +32,7 @@ from labavg.optim.ngsgd import (
     precondition_directions,
     reorthogonalize_rt1,
 )
+from labavg.optim.ngsgd import NGSGD
 from labavg.optim.sgd import SGD
 
 

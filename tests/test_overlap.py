@@ -266,6 +266,20 @@ def test_overlap_none_trains_the_blocking_run_bit_for_bit(corpus, tmp_path):
     assert type(make_averager(TrainConfig(), torch.zeros(4), None)) is Averager
 
 
+def test_overlap_averager_describes_its_fragments():
+    """RunStarted's overlap and fragment bytes come from describe()."""
+    cfg = TrainConfig(ranks=2, overlap="streaming", streaming_fragments=2, averaging="diloco")
+
+    def work(comm):
+        flat = torch.zeros(10)
+        return make_averager(cfg, flat, comm, sizes=[4, 6]).describe(flat)
+
+    info = run_inproc(2, work)[0]
+    assert (info.averaging, info.payload, info.overlap) == ("diloco", "fp32", "streaming")
+    assert (info.bytes_per_round, info.fragment_bytes) == (40, (16, 24))
+    assert (info.hierarchy_every, info.node_ranks) == (0, 0)
+
+
 @pytest.mark.parametrize("overlap, fragments", [("eager", 1), ("streaming", 3)])
 def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, tmp_path,
                                                                         overlap, fragments):

@@ -21,7 +21,8 @@ import torch
 from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
 from labavg.averaging.factory import make_averager
-from labavg.comm.inproc import InProcCommunicator, InProcGroup, run_inproc
+from labavg.comm.inproc import InProcCommunicator, run_inproc
+from labavg.comm.inproc_group import InProcGroup
 from labavg.comm.launchers import mpiexec_command
 from labavg.base.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
 from labavg.base.errors import UserError

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from labavg.comm.inproc import InProcCommunicator, InProcGroup
+from labavg.comm.inproc import InProcCommunicator
+from labavg.comm.inproc_group import InProcGroup
 from labavg.data.frames import splice
 from labavg.training.model import DNN, ModelConfig
 from labavg.training.rbm import (

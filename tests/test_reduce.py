@@ -24,14 +24,8 @@ from labavg.averaging.methods import Averager
 
 from labavg.averaging.factory import make_averager
 from labavg.averaging.mean import average_parameters
-from labavg.comm.inproc import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    InProcCommunicator,
-    InProcGroup,
-    RankFailed,
-    run_inproc,
-)
+from labavg.comm.inproc import InProcCommunicator, RankFailed, run_inproc
+from labavg.comm.inproc_group import CollectiveMismatch, CollectiveTimeout, InProcGroup
 from labavg.comm.launchers import mpiexec_command
 from labavg.comm.reduce import bounds, reduce_mean
 from labavg.base.config import REDUCE, TrainConfig, load_config, validate, with_overrides

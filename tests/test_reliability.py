@@ -30,7 +30,7 @@ from labavg.jobs.processes import pid_alive as _alive
 from labavg.jobs.run_dir import run_dir_lock
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
-from labavg.training.trainer import train
+from labavg.training.runner import train
 
 from test_train import small_config
 
@@ -424,7 +424,8 @@ def test_torchrun_names_the_rank_that_met_the_error(poisoned_corpus, tmp_path):
 
 def test_inproc_hang_is_ended_by_the_watchdog(corpus, tmp_path):
     """The dashboard's in-process workers: a hung thread breaks the group instead of the class."""
-    from labavg.comm.inproc import CollectiveTimeout, RankFailed
+    from labavg.comm.inproc import RankFailed
+    from labavg.comm.inproc_group import CollectiveTimeout
 
     cfg = small_config(corpus, tmp_path / "run", inject_fault="hang@rank1:step4",
                        watchdog_seconds=2.0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from labavg.base import checkpoint
+from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import average_parameters, flatten_parameters
 from labavg.comm.inproc import run_inproc
 from labavg.base.config import DataConfig, TrainConfig, validate
@@ -22,7 +23,8 @@ from labavg.training.model import DNN, ModelConfig
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
-from labavg.training.trainer import train
+from labavg.training.rank import train_rank
+from labavg.training.runner import train
 
 PYTHON = sys.executable
 
@@ -250,3 +252,65 @@ def test_cli_data_errors_exit_2(shared_data, tmp_path):
     proc = _cli("train", "--data", str(recipe / "data/train_yesno"), "--ali-dir",
                 str(recipe / "exp/mono0a"), "--out", str(tmp_path / "y"), *SMALL, cwd=tmp_path)
     assert proc.returncode == 2 and "feats.scp" in proc.stderr and "working directory" in proc.stderr
+
+
+class _MeanEveryOtherStep:
+    """Implements labavg.averaging.interface.RoundAverager and nothing more: a plain mean every
+    2nd minibatch and at epoch ends, whose stats claim node and overlap figures."""
+
+    def __init__(self, comm):
+        self.comm, self.scopes = comm, []
+
+    def due(self, step, end_of_epoch):
+        return "toy" if step % 2 == 0 or end_of_epoch else None
+
+    def round(self, flat, stop=False, scope="all"):
+        self.scopes.append(scope)
+        stats = average_parameters(flat, self.comm, stop=stop)
+        return replace(stats, within_node=True, overlap_seconds=0.5, overlap_bytes=3,
+                       wait_seconds=0.25, in_flight_seconds=1.5)
+
+    def describe(self, flat):
+        return AveragerInfo("toy", "allreduce", "fp32", 7, fragment_bytes=(1, 2))
+
+    def restart(self, flat):
+        raise AssertionError("no Newbob here")
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state, flat):
+        raise AssertionError("no resume here")
+
+
+def test_a_minimal_averager_drives_train_rank(corpus, tmp_path):
+    """train_rank asks the averager only through its interface and reports what it returns."""
+    cfg = small_config(corpus, tmp_path / "run", epochs=1)
+    source = open_dataset(cfg.data.data)
+    averagers = {}
+
+    def new_averager(cfg, flat, comm, sizes):
+        averagers[comm.rank] = _MeanEveryOtherStep(comm)
+        return averagers[comm.rank]
+
+    results = run_inproc(2, lambda comm: list(train_rank(comm, cfg, source,
+                                                         new_averager=new_averager)))
+    for rank, events in enumerate(results):
+        started = next(e for e in events if isinstance(e, RunStarted))
+        assert (started.averaging, started.bytes_per_round, started.fragment_bytes) == (
+            "toy", 7, (1, 2))
+        steps = started.steps_per_epoch
+        expected = [s for s in range(1, steps + 1) if s % 2 == 0 or s == steps]
+        rounds = [e for e in events if isinstance(e, Averaged)]
+        assert [e.step for e in rounds] == expected
+        assert {e.scope for e in rounds} == {"toy"} and averagers[rank].scopes == ["toy"] * len(
+            expected)
+        assert all(e.wait_seconds == 0.25 and e.in_flight_seconds == 1.5 for e in rounds)
+        finished = events[-1]
+        n = len(expected)
+        assert (finished.averaging_rounds, finished.node_rounds) == (n, n)
+        assert finished.node_bytes_sent == finished.bytes_sent > 0
+        assert (finished.overlap_bytes_sent, finished.overlap_seconds, finished.wait_seconds) == (
+            3 * n, 0.5 * n, 0.25 * n)
+    cv = [next(e for e in events if isinstance(e, EpochDone)).cv_loss for events in results]
+    assert cv[0] == cv[1]  # the last round left one model on both ranks

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.averaging.methods import ALL, NODE, Averager
 from labavg.base.errors import UserError
@@ -60,7 +61,7 @@ class HierarchicalAverager:
             self._stop = self._stop or stop
             stats = average_parameters(flat, self.node, fallback=self.node_model,
                                        reduce=self.reduce)
-            stats = dataclasses.replace(stats, stop=False,
+            stats = dataclasses.replace(stats, stop=False, within_node=True,
                                         comm_seconds=time.perf_counter() - start)
         else:
             raise ValueError(f"unknown round scope {scope!r}; known: {NODE}, {ALL}")
@@ -71,6 +72,11 @@ class HierarchicalAverager:
     def bytes_per_round(self, flat: torch.Tensor) -> int:
         """What a round across all ranks puts into its collective from this rank."""
         return self.inner.bytes_per_round(flat)
+
+    def describe(self, flat: torch.Tensor) -> AveragerInfo:
+        """The method's description, with K2 and the ranks of this rank's node."""
+        return dataclasses.replace(self.inner.describe(flat), hierarchy_every=self.every_all,
+                                   node_ranks=self.node.size)
 
     def restart(self, flat: torch.Tensor) -> None:
         """As Averager.restart (Newbob's rollback comes after an all round)."""

@@ -47,6 +47,14 @@ class AverageStats:
     (4 x parameters in float32; 0 when nothing was averaged), or of its compressed change with
     a lossy payload (labavg.averaging.payload.payload_bytes), not counting the 16-byte control exchange:
     what a reduce algorithm or the allgather puts on the wire is a multiple of it.
+
+    The rest is zero (False) for a blocking round across all ranks. `within_node` marks a round
+    among this rank's node only (labavg.averaging.hierarchy). An overlapped round
+    (labavg.averaging.overlap) says what its non-blocking mean cost: `overlap_seconds`, the part
+    of `comm_seconds` spent on it (waiting for the one in flight, the control allreduce and the
+    start of the next), and `overlap_bytes`, the part of `bytes_sent` started non-blocking;
+    `wait_seconds` is the time inside the wait alone and `in_flight_seconds` the wall time from
+    the start of that mean to the end of its wait, the minibatches computed meanwhile included.
     """
 
     divergence: float
@@ -55,6 +63,11 @@ class AverageStats:
     dropped: int = 0
     stop: bool = False
     bytes_sent: int = 0
+    within_node: bool = False
+    overlap_seconds: float = 0.0
+    overlap_bytes: int = 0
+    wait_seconds: float = 0.0
+    in_flight_seconds: float = 0.0
 
 
 def agree(flat: torch.Tensor, comm: Communicator, stop: bool = False) -> tuple[bool, int, bool]:

@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.comm.base import Communicator
 from labavg.base.config import BMUFConfig, DiLoCoConfig
@@ -150,6 +151,11 @@ class Averager:
         if lossy(self.payload):
             return payload_bytes(flat.numel(), self.payload, self.bits)
         return flat.numel() * flat.element_size()
+
+    def describe(self, flat: torch.Tensor) -> AveragerInfo:
+        """The method, reduce, payload (int with its bits) and bytes of a round."""
+        payload = f"int{self.bits}" if self.payload == "int" else self.payload
+        return AveragerInfo(self.method, self.reduce, payload, self.bytes_per_round(flat))
 
     def restart(self, flat: torch.Tensor) -> None:
         """Start the next block from `flat` (Newbob's rolled-back model) with a fresh outer

@@ -37,12 +37,14 @@ the fragment's global model stays as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.methods import ALL, Averager
 from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.comm.base import Communicator, Pending
@@ -50,24 +52,6 @@ from labavg.comm.base import Communicator, Pending
 # The scope of a round whose mean runs while training goes on (`due`).
 OVERLAP = "overlap"
 MODES = ("eager", "streaming")
-
-
-@dataclass(frozen=True)
-class OverlapStats(AverageStats):
-    """A round's AverageStats and what its overlapped mean cost.
-
-    `overlap_seconds` is the part of `comm_seconds` spent on non-blocking means (waiting for
-    the one in flight, the control allreduce and the start of the next) and `overlap_bytes`
-    the part of `bytes_sent` started non-blocking; the rest of the round (an epoch end's
-    blocking round) is blocking. `wait_seconds` is the time inside the wait alone and
-    `in_flight_seconds` the wall time from the start of that mean to the end of its wait,
-    which includes the minibatches computed meanwhile.
-    """
-
-    overlap_seconds: float = 0.0
-    overlap_bytes: int = 0
-    wait_seconds: float = 0.0
-    in_flight_seconds: float = 0.0
 
 
 def fragment_bounds(sizes: list[int], fragments: int) -> list[tuple[int, int]]:
@@ -132,14 +116,21 @@ class OverlapAverager:
         a streaming round sends one fragment's share, `fragment_bytes`."""
         return flat.numel() * flat.element_size() if self.comm.size > 1 else 0
 
+    def describe(self, flat: torch.Tensor) -> AveragerInfo:
+        """The method's description, with the overlap mode and each fragment's bytes."""
+        return dataclasses.replace(
+            self.fragments[0].describe(flat), bytes_per_round=self.bytes_per_round(flat),
+            overlap=self.mode, fragment_bytes=tuple(self.fragment_bytes))
+
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """ALL (blocking, the whole model) at every epoch end, OVERLAP every other K-th."""
         if end_of_epoch:
             return ALL
         return OVERLAP if step % self.every == 0 else None
 
-    def round(self, flat: torch.Tensor, stop: bool = False, scope: str = OVERLAP) -> OverlapStats:
-        """One round on this rank's parameters `flat` (in place, every rank at once)."""
+    def round(self, flat: torch.Tensor, stop: bool = False, scope: str = OVERLAP) -> AverageStats:
+        """One round on this rank's parameters `flat` (in place, every rank at once); its
+        stats say which part of it was the non-blocking mean (AverageStats.overlap_seconds)."""
         start = time.perf_counter()
         waited, in_flight, merged = self._merge(flat)
         divergence = merged[0]
@@ -156,9 +147,10 @@ class OverlapAverager:
                         part.copy_(new)
                 averager.global_model.copy_(part)
             seconds = time.perf_counter() - t0
-            return OverlapStats(stats.divergence, overlap_seconds + seconds, stats.finite,
-                                stats.dropped, stats.stop, stats.bytes_sent, overlap_seconds,
-                                0, waited, in_flight)
+            return AverageStats(stats.divergence, overlap_seconds + seconds, stats.finite,
+                                stats.dropped, stats.stop, stats.bytes_sent,
+                                overlap_seconds=overlap_seconds, overlap_bytes=0,
+                                wait_seconds=waited, in_flight_seconds=in_flight)
         if scope != OVERLAP:
             raise ValueError(f"unknown round scope {scope!r}; known: {OVERLAP}, {ALL}")
         t0 = time.perf_counter()
@@ -168,8 +160,9 @@ class OverlapAverager:
                 part.copy_(averager.global_model)
         agreed_stop, sent = self._start(flat, finite, stop)
         seconds = overlap_seconds + time.perf_counter() - t0
-        return OverlapStats(divergence, seconds, finite, self._pending.dropped,
-                            agreed_stop, sent, seconds, sent, waited, in_flight)
+        return AverageStats(divergence, seconds, finite, self._pending.dropped, agreed_stop,
+                            sent, overlap_seconds=seconds, overlap_bytes=sent,
+                            wait_seconds=waited, in_flight_seconds=in_flight)
 
     def _parts(self, flat: torch.Tensor):
         return ((flat[a:b], averager) for (a, b), averager in zip(self.bounds, self.fragments))

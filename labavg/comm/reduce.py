@@ -24,7 +24,7 @@ ring
 
 Every element of the sum is computed on one rank and copied to the others, so all ranks get
 bitwise the same mean, as model averaging needs. The butterfly adds in the same association
-as `labavg.comm.inproc.tree_sum` (pairs first, then pairs of pairs), so on inproc it equals
+as `labavg.comm.inproc_group.tree_sum` (pairs first, then pairs of pairs), so on inproc it equals
 allreduce bitwise; the ring adds each chunk around the ring, so it differs from allreduce by
 float rounding only. The sum is divided by the size in place, as every backend's allreduce does.
 

@@ -195,14 +195,14 @@ def export_final_model(run_dir: Path, cfg, source) -> Path:
     from labavg.base import checkpoint
     from labavg.averaging.mean import flatten_parameters
     from labavg.data.frames import split_cv
-    from labavg.training.trainer import _build_model
+    from labavg.training.initial_model import build_model
 
     found = checkpoint.latest_step(run_dir)
     if found is None:
         raise UserError(f"{run_dir}: no checkpoint to export the final model from")
     state = checkpoint.load_rank_state(run_dir, found[0], 0)
     train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
-    model = _build_model(cfg, source, train_keys, torch.device("cpu"))
+    model = build_model(cfg, source, train_keys, torch.device("cpu"))
     flat = flatten_parameters([model])
     flat.copy_(state["params"])
     buf = io.BytesIO()

@@ -39,7 +39,7 @@ def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False)
     The launcher of a multi-process job calls it once, so that a bad setting or data set is
     reported once, before N ranks meet it; run_training calls it on every rank anyway.
     """
-    from labavg.training.trainer import check_fits
+    from labavg.training.runner import check_fits
 
     run_dir = Path(cfg.out)
     check_run_dir(run_dir, resume, cfg)
@@ -71,7 +71,7 @@ def run_training(
     return None). `on_event` sees every event this process sees. `allow_pipes` lets data files
     and rspecifiers run commands (Kaldi's `cmd |`); only the command line's --allow-pipes sets it.
     """
-    from labavg.training.trainer import train
+    from labavg.training.runner import train
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
@@ -79,7 +79,7 @@ def run_training(
             remove_orphans(run_dir)
         opened: dict[str, Any] = {}
 
-        def open_data():  # opened on every rank (labavg.training.trainer.train agrees on the outcome)
+        def open_data():  # opened on every rank (labavg.training.runner.train agrees on the outcome)
             opened["source"] = preflight(cfg, resume, allow_pipes)
             return opened["source"]
 
