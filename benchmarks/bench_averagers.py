@@ -57,7 +57,8 @@ RUNS = [
 
 
 def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
-    from labavg.base.config import TrainConfig, validate, with_overrides
+    from labavg.training.config import TrainConfig, validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.runs import run_training
 
     base = {"data.data": data, "ranks": 4, "average_every": 10, "epochs": 2, "seed": seed,

@@ -28,7 +28,7 @@ def _add_train_parser(sub) -> None:
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
     )
-    from labavg.base.config import cli_flags
+    from labavg.training.config import cli_flags
 
     p.add_argument("config", nargs="?", help="TOML configuration file")
     for flag in cli_flags():  # declared with the settings (labavg.base.config)
@@ -186,7 +186,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.base.config import TrainConfig, cli_flags, load_config, validate, with_overrides
+    from labavg.training.config import TrainConfig, cli_flags, load_config, validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.runs import load_config_of
 
     if args.resume:

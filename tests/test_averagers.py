@@ -19,15 +19,9 @@ from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.base.config import (
-    BMUFConfig,
-    DiLoCoConfig,
-    TrainConfig,
-    estimate_memory,
-    load_config,
-    validate,
-    with_overrides,
-)
+from labavg.averaging.methods import BMUFConfig, DiLoCoConfig
+from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.jobs.runs import read_events, read_summary, run_training

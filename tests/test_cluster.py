@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from labavg.jobs.cluster import Cluster, RunError
-from labavg.base.config import DataConfig, TrainConfig
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
-from labavg.training.model import ModelConfig
+from labavg.training.settings import ModelConfig
 from labavg.jobs.runs import read_events, read_summary
 
 pytest.importorskip("ipyparallel")

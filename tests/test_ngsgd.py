@@ -13,26 +13,15 @@ from torch import nn
 
 from labavg.averaging.mean import flatten_parameters
 from labavg.base.errors import UserError
-from labavg.training.model import DNN, ModelConfig
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.optim.max_change import per_sample_scale
-from labavg.optim.ngsgd import (
-    NGSGD,
-    FisherState,
-    NGConfig,
-    OnlineNaturalGradient,
-    compute_beta,
-    compute_et,
-    compute_wt1,
-    compute_zt,
-    effective_rank,
-    eta,
-    init_default,
-    init_orthonormal_special,
-    is_updating,
-    precondition_directions,
-    reorthogonalize_rt1,
-)
+from labavg.optim.ngsgd import (NGSGD, FisherState, OnlineNaturalGradient, compute_beta,
+                                compute_et, compute_wt1, compute_zt, effective_rank, eta,
+                                init_default, init_orthonormal_special, is_updating,
+                                precondition_directions, reorthogonalize_rt1)
+from labavg.optim.settings import NGConfig
 from labavg.optim.sgd import SGD
 
 

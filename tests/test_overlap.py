@@ -22,7 +22,9 @@ from labavg.averaging.methods import ALL, Averager, BMUFAverager
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.base.config import BMUFConfig, TrainConfig, validate, with_overrides
+from labavg.averaging.methods import BMUFConfig
+from labavg.training.config import TrainConfig, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.overlap import OVERLAP, OverlapAverager, fragment_bounds
 from labavg.jobs.runs import read_events, run_training

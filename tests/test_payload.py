@@ -23,7 +23,8 @@ from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import InProcCommunicator, InProcGroup, run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.base.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
+from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload_bytes
 from labavg.jobs.runs import read_events, read_summary, run_training

@@ -34,7 +34,9 @@ from labavg.comm.inproc import (
 )
 from labavg.comm.launchers import mpiexec_command
 from labavg.comm.reduce import bounds, reduce_mean
-from labavg.base.config import REDUCE, TrainConfig, load_config, validate, with_overrides
+from labavg.comm.settings import REDUCE
+from labavg.training.config import TrainConfig, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.runs import read_events, read_summary, run_training
 

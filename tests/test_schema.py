@@ -10,8 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from labavg.base.config import (PRESETS, TrainConfig, check_setting, cli_flags, preset_config,
-                           setting_field, validate, with_overrides)
+from labavg.training.config import (PRESETS, TrainConfig, check_setting, cli_flags, preset_config,
+                                    setting_field, validate)
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]

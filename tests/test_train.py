@@ -15,10 +15,12 @@ import torch
 from labavg.base import checkpoint
 from labavg.averaging.mean import average_parameters, flatten_parameters
 from labavg.comm.inproc import run_inproc
-from labavg.base.config import DataConfig, TrainConfig, validate
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig, validate
 from labavg.data.dataset import open_dataset
 from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
-from labavg.training.model import DNN, ModelConfig
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
 from labavg.jobs.runs import read_events, read_summary, run_training
 from labavg.training.trainer import train
 

@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.jobs import engine
 from labavg.jobs.engine import ALIVE
 from labavg.base.errors import UserError

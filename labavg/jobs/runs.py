@@ -30,7 +30,8 @@ from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text, latest_step, remove_orphans
 from labavg.comm.launchers import launcher_rank
-from labavg.base.config import TrainConfig, config_from_dict, to_dict
+from labavg.training.config import TrainConfig, config_from_dict
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
 from labavg.base.events import Averaged, EpochDone, Event, MinibatchDone, RunFinished, RunStarted

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labavg.base.config import NGConfig  # noqa: F401 (declared with the other settings)
+from labavg.optim.settings import NGConfig
 from labavg.optim.base import StepStats
 from labavg.optim.max_change import (
     LayerUpdate,

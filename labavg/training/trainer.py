@@ -27,7 +27,8 @@ from labavg.base import checkpoint
 from labavg.averaging.factory import make_averager
 from labavg.averaging.mean import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.data.base import UtteranceSource
 from labavg.base.errors import PeerFailed, UserError, one_line, user_error_of
 from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
@@ -131,7 +132,7 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     Called before any rank allocates a model, so that what every rank would meet is reported once.
     """
-    from labavg.base.config import check_hierarchy, check_model_size
+    from labavg.training.config import check_hierarchy, check_model_size
 
     if size is not None:  # the launched ranks; validate checked cfg.ranks where it is known
         check_hierarchy(cfg, size)
@@ -245,7 +246,8 @@ def train_rank(
 
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
-    averager = make_averager(cfg, flat, comm, sizes=[p.numel() for p in model.parameters()])
+    averager = make_averager(cfg.averaging_plan(), flat, comm,
+                             sizes=[p.numel() for p in model.parameters()])
     if found is not None:
         averager.load_state_dict(resumed_averager, flat)
     wall_before = progress.wall_seconds

@@ -184,7 +184,7 @@ def verdict_summary(runs: list[Run], base: dict[str, Any]) -> list[tuple[str, st
 def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
     """The sweep's base values of the varied settings (from its file, else the commonest)."""
     if sweep_file is not None and sweep_file.is_file():
-        from labavg.base.config import to_dict
+        from labavg.base.settings import to_dict
         from labavg.studies.sweep import load_sweep
 
         base = flatten_config(to_dict(load_sweep(sweep_file).base))
@@ -391,7 +391,8 @@ def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | Non
     """1 and 2 MPI ranks (K = 10 and 20) with the comparisons' model and data; resumable."""
     import shutil
 
-    from labavg.base.config import validate, with_overrides
+    from labavg.training.config import validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.launch import start_run
     from labavg.studies.sweep import load_sweep
 
