@@ -78,7 +78,7 @@ class BMUFConfig:
     momentum: float = setting(0.9, "block momentum (0: plain averaging; 1 - 1/ranks gives a "
                               "long-run gain of ranks)", real(0, 1, high_open=True))
     block_lr: float = setting(1.0, "block learning rate: the share of each round's change "
-                              "applied", _FINITEPOSITIVE)
+                              "applied", FINITE_POSITIVE)
     nesterov: bool = setting(True, "Nesterov block momentum: workers start each block from the "
                              "global model plus momentum x the filtered update")
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class DiLoCoConfig:
     momentum on the outer gradient, the global model minus the average."""
 
     outer_lr: float = setting(0.7, "outer learning rate (1 with momentum 0: plain averaging)",
-                              _FINITEPOSITIVE)
+                              FINITE_POSITIVE)
     momentum: float = setting(0.9, "outer momentum", real(0, 1, high_open=True))
     nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
 

@@ -31,9 +31,9 @@ class NGConfig:
     num_initial_updates: int = setting(10, "minibatches updated every time at first (Kaldi: 10)",
                                        integer(0))
     condition_threshold: float = setting(1.0e6, "PreconditionDirectionsInternal's condition limit",
-                                         _FINITEPOSITIVE)
+                                         FINITE_POSITIVE)
     orthogonality_threshold: float = setting(1.0e-3, "ReorthogonalizeRt1's threshold",
-                                             _FINITEPOSITIVE)
+                                             FINITE_POSITIVE)
 
     def __post_init__(self) -> None:
         # The same plausibility checks as OnlineNaturalGradient::InitDefault.

@@ -90,9 +90,9 @@ class TrainConfig:
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", one_of(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
-                        FINITEPOSITIVE, flag="--lr")
+                        FINITE_POSITIVE, flag="--lr")
     final_lr: float | None = setting(None, "final learning rate (default 0.01 x lr, as the paper)",
-                                     FINITEPOSITIVE, flag="--final-lr")
+                                     FINITE_POSITIVE, flag="--final-lr")
     lr_scaling: str = setting("linear", "effective lr x num_jobs (linear, as the paper and "
                               "Kaldi), x sqrt(num_jobs), or none", one_of(LR_SCALING),
                               flag="--lr-scaling")
@@ -107,10 +107,10 @@ class TrainConfig:
     # nnet1's SGD, the paper's baseline, has no max-change; NG-SGD comes from nnet2/3 with it.
     max_change_per_sample: float | None = setting(
         None, "Kaldi's per-layer max-change per sample (default: 0.075 for ngsgd, off for sgd; "
-        "0: off)", _LIMIT)
+        "0: off)", LIMIT)
     max_param_change: float | None = setting(
         None, "Kaldi's whole-model max-change (default: 2.0 for ngsgd, off for sgd; 0: off)",
-        _LIMIT)
+        LIMIT)
     checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
                                     POSITIVE, flag="--checkpoint-every")
     log_every: int = setting(1, "minibatches between per-minibatch events", POSITIVE)

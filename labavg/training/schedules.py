@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from labavg.training.settings import LR_SCALING, NEWBOB_CRITERIA, NewbobConfig
+from labavg.training.settings import LR_SCALING, NewbobConfig
 
 
 def scale_lr(lr: float, num_jobs: int, rule: str) -> float:

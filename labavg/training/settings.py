@@ -47,9 +47,9 @@ class RBMConfig:
     learn_rate * (1 - momentum), as rbm-train-cd1-frmshuff sets it.
     """
 
-    learn_rate: float = setting(0.4, "rbm_lrate, Bernoulli-Bernoulli RBMs", _FINITEPOSITIVE)
+    learn_rate: float = setting(0.4, "rbm_lrate, Bernoulli-Bernoulli RBMs", FINITE_POSITIVE)
     learn_rate_gaussian: float = setting(0.01, "rbm_lrate_low, the Gaussian-Bernoulli RBM",
-                                         _FINITEPOSITIVE)
+                                         FINITE_POSITIVE)
     momentum: float = setting(0.5, "momentum at the start of a layer", real(0, 1, high_open=True))
     momentum_max: float = setting(0.9, "momentum at the end of the ramp", real(0, 1, high_open=True))
     momentum_steps: int = setting(40, "steps of the momentum ramp", POSITIVE)
@@ -60,8 +60,8 @@ class RBMConfig:
     epochs: int = setting(1, "rbm_iter; the Gaussian-Bernoulli RBM trains for twice as many",
                           POSITIVE)
     gaussian_input: bool = setting(True, "input_vis_type=gauss")
-    param_stddev_first: float = setting(0.1, "initial weight stddev, first RBM", _FINITEPOSITIVE)
-    param_stddev: float = setting(0.1, "initial weight stddev, later RBMs", _FINITEPOSITIVE)
+    param_stddev_first: float = setting(0.1, "initial weight stddev, first RBM", FINITE_POSITIVE)
+    param_stddev: float = setting(0.1, "initial weight stddev, later RBMs", FINITE_POSITIVE)
     # Kaldi initialises a Bernoulli RBM's visible biases to logit(mean activation) measured on
     # a 10k-utterance subset; we measure on the first frames of this epoch-0 shard, all ranks
     # pooled.
