@@ -22,11 +22,11 @@ import torch
 
 
 def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
-    from labavg.averaging.methods import AVERAGERS
+    from labavg.averaging.registry import methods
     from labavg.comm.inproc import run_inproc
 
     out = {}
-    for name, cls in AVERAGERS.items():
+    for name, cls in methods().items():
         def work(comm, cls=cls):
             gen = torch.Generator().manual_seed(comm.rank)
             flat = torch.randn(numel, generator=gen)

@@ -14,6 +14,7 @@ the registry is read (`methods`), not when the settings are imported.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 METHODS: dict[str, Any] = {}
@@ -48,3 +49,20 @@ def method_names() -> tuple[str, ...]:
 def method_sections() -> dict[str, type]:
     """The settings section of each method that has one, by method name (its TOML table)."""
     return {name: cls.settings for name, cls in methods().items() if cls.settings is not None}
+
+
+class MethodTable(Mapping[str, Any]):
+    """A live table of the registered methods: name -> `what(method class)`, in registration
+    order; a method registered later is in it too (for the tables that list methods)."""
+
+    def __init__(self, what: Callable[[Any], Any]) -> None:
+        self._what = what
+
+    def __getitem__(self, name: str) -> Any:
+        return self._what(methods()[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(methods()))
+
+    def __len__(self) -> int:
+        return len(methods())
