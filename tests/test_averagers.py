@@ -272,13 +272,13 @@ def test_make_averager_follows_the_settings():
     def work(comm):
         cfg = with_overrides(TrainConfig(), {"averaging": "bmuf", "bmuf.momentum": 0.25,
                                              "average_every_frames": 2560, "minibatch": 256})
-        averager = make_averager(cfg, flat, comm)
+        averager = make_averager(cfg.averaging_plan(), flat, comm)
         assert isinstance(averager, BMUFAverager) and averager.eta == 0.25
         assert averager.every == 10 and averager.due(20, False) and not averager.due(21, False)
         assert averager.due(21, True)
         cfg = with_overrides(TrainConfig(), {"averaging": "diloco", "diloco.outer_lr": 0.5})
-        assert make_averager(cfg, flat, comm).alpha == 0.5
-        assert type(make_averager(TrainConfig(), flat, comm)) is Averager
+        assert make_averager(cfg.averaging_plan(), flat, comm).alpha == 0.5
+        assert type(make_averager(TrainConfig().averaging_plan(), flat, comm)) is Averager
 
     run_inproc(1, work)
 

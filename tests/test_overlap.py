@@ -264,7 +264,7 @@ def test_overlap_none_trains_the_blocking_run_bit_for_bit(corpus, tmp_path):
     assert torch.equal(final_params(tmp_path / "plain"), final_params(tmp_path / "none"))
     assert none["overlap"] == "none" and none["comm_hidden_fraction"] is None
     assert none["overlap_bytes_sent"] == 0 and none["bytes_sent"] == plain["bytes_sent"]
-    assert type(make_averager(TrainConfig(), torch.zeros(4), None)) is Averager
+    assert type(make_averager(TrainConfig().averaging_plan(), torch.zeros(4), None)) is Averager
 
 
 @pytest.mark.parametrize("overlap, fragments", [("eager", 1), ("streaming", 3)])

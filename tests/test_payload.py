@@ -386,7 +386,7 @@ def test_payload_settings_defaults_toml_and_make_averager(tmp_path):
     cfg = validate(load_config(path))
     assert (cfg.payload, cfg.payload_bits, cfg.error_feedback) == ("int", 4, False)
     comm = InProcCommunicator(InProcGroup(2), 0)
-    averager = make_averager(cfg, torch.zeros(3000), comm)
+    averager = make_averager(cfg.averaging_plan(), torch.zeros(3000), comm)
     assert (averager.payload, averager.bits, averager.residual) == ("int", 4, None)
     assert averager.bytes_per_round(torch.zeros(3000)) == 1500 + 4 * 3
     assert averager.global_model is not None

@@ -270,8 +270,8 @@ def test_make_averager_takes_the_setting():
     comm = InProcCommunicator(InProcGroup(1), 0)
     for method in ("model", "bmuf", "diloco"):
         cfg = with_overrides(TrainConfig(), {"averaging": method, "reduce": "butterfly"})
-        assert make_averager(cfg, torch.zeros(2), comm).reduce == "butterfly"
-    assert make_averager(TrainConfig(), torch.zeros(2), comm).reduce == "allreduce"
+        assert make_averager(cfg.averaging_plan(), torch.zeros(2), comm).reduce == "butterfly"
+    assert make_averager(TrainConfig().averaging_plan(), torch.zeros(2), comm).reduce == "allreduce"
 
 
 # --- settings -----------------------------------------------------------------------------------
