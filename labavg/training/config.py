@@ -12,6 +12,7 @@ which do).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -219,6 +220,23 @@ class TrainConfig:
             return (f"streaming_fragments = {self.streaming_fragments} exceeds the {tensors} "
                     f"parameter tensors of a model with {self.model.hidden_layers} hidden layers")
         return None
+
+
+def _with_method_keywords(init: Any) -> Any:
+    """TrainConfig's __init__ taking a method's table as a keyword too (`bmuf=BMUFConfig(...)`,
+    and so `dataclasses.replace(cfg, bmuf=...)`), as it is read (`cfg.bmuf`)."""
+    @functools.wraps(init)
+    def __init__(self: TrainConfig, *args: Any, **values: Any) -> None:
+        known = method_sections()
+        given = {name: values.pop(name) for name in list(values) if name in known}
+        if given:
+            values["method_settings"] = {**values.get("method_settings", {}), **given}
+        init(self, *args, **values)
+
+    return __init__
+
+
+TrainConfig.__init__ = _with_method_keywords(TrainConfig.__init__)  # type: ignore[method-assign]
 
 
 def config_from_dict(values: Any, source: str = "config") -> TrainConfig:
