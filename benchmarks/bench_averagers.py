@@ -22,11 +22,11 @@ import torch
 
 
 def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
-    from labavg.averaging.methods import AVERAGERS
+    from labavg.averaging.registry import methods
     from labavg.comm.inproc import run_inproc
 
     out = {}
-    for name, cls in AVERAGERS.items():
+    for name, cls in methods().items():
         def work(comm, cls=cls):
             gen = torch.Generator().manual_seed(comm.rank)
             flat = torch.randn(numel, generator=gen)
@@ -57,7 +57,8 @@ RUNS = [
 
 
 def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
-    from labavg.base.config import TrainConfig, validate, with_overrides
+    from labavg.training.config import TrainConfig, validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.runs import run_training
 
     base = {"data.data": data, "ranks": 4, "average_every": 10, "epochs": 2, "seed": seed,

@@ -19,7 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labavg.training.model import DNN, ModelConfig
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.training.runner import keep_freed_memory
 

@@ -23,7 +23,8 @@ import torch
 
 import labavg.optim.ngsgd as ngsgd_module
 import labavg.optim.sgd as sgd_module
-from labavg.training.model import DNN, ModelConfig
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.training.step import train_step
 

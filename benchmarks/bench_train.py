@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from labavg.training.model import DNN, ModelConfig, count_parameters
+from labavg.training.model import DNN, count_parameters
+from labavg.training.settings import ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.training.runner import keep_freed_memory
 from labavg.training.step import train_step
@@ -173,7 +174,7 @@ def data_skew(corpus: Path, size: int = 2, K: int = 10) -> dict:
     after the other in this process: no contention between them) and sums, over rounds, what
     the slowest rank's loading exceeds each other rank's by: the wait it alone would cause.
     """
-    from labavg.base.config import TrainConfig
+    from labavg.training.config import TrainConfig
     from labavg.data.dataset import open_dataset
     from labavg.data.frames import FrameBatches, split_cv, steps_per_epoch
 

@@ -46,7 +46,7 @@ def _worker(method: str, corpus: str, epochs: int, result: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from labavg.base.config import TrainConfig
+    from labavg.training.config import TrainConfig
     from labavg.data.dataset import open_dataset
     from labavg.data.frames import FrameBatches, cv_batches, feature_stats, split_cv, steps_per_epoch
     from labavg.training.model import DNN

@@ -66,7 +66,8 @@ def final_params(run: Path) -> torch.Tensor:
 
 
 def step_ms(device: torch.device, optimizer: str, repeats: int = 30) -> float:
-    from labavg.training.model import DNN, ModelConfig
+    from labavg.training.model import DNN
+    from labavg.training.settings import ModelConfig
     from labavg.optim.factory import make_optimizer
     from labavg.training.step import train_step
 

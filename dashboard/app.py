@@ -26,7 +26,7 @@ from dashboard.components import LivePlots, RunControls, RunsView, SettingsPanel
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
-from labavg.base.config import DataConfig  # noqa: E402
+from labavg.data.settings import DataConfig  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
 DATA = DataConfig.data  # labavg train's default data directory

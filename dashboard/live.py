@@ -24,7 +24,8 @@ import numpy as np
 import param
 
 from dashboard.settings import RunSettings, new_run_dir
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.studies.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.jobs.index import (

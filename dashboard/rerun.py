@@ -17,7 +17,8 @@ import pandas as pd
 import panel as pn
 
 from dashboard.components import load_backend
-from labavg.base.config import TrainConfig, check_setting, validate, with_overrides
+from labavg.training.config import TrainConfig, check_setting, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training

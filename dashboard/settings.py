@@ -1,7 +1,7 @@
 """The dashboard's controls of the next run, generated from the settings' schema.
 
 Each control names a TrainConfig setting: its type, choices, help text and default come from
-`labavg.base.config` (where the setting is declared), so the dashboard starts with the CLI's run.
+its section's module (where the setting is declared), so the dashboard starts with the CLI's run.
 The dashboard adds only its label. Values are not bounded here: a bad value is kept, so that
 the page can say what is wrong with it (`RunSettings.errors`, in `check_setting`'s words,
 the CLI's) instead of quietly putting the old value back.
@@ -16,16 +16,10 @@ from typing import Any
 
 import param
 
-from labavg.base.config import (
-    PRESETS,
-    TrainConfig,
-    _field_types,
-    check_directory,
-    check_setting,
-    setting_field,
-    validate,
-    with_overrides,
-)
+from labavg.averaging.registry import method_names
+from labavg.base.settings import check_directory, with_overrides
+from labavg.training.config import (PRESETS, TrainConfig, check_setting, setting_field,
+                                    setting_type, validate)
 from labavg.data.dataset import check_data_source
 from labavg.base.errors import UserError
 from labavg.jobs.index import effective_k
@@ -54,7 +48,7 @@ def control(key: str, label: str) -> param.Parameter:
     f = setting_field(key)
     CONTROLS[key.split(".")[-1]] = key
     rule, doc = f.metadata["rule"], f.metadata["help"]
-    hint = _field_types_of(key)
+    hint = setting_type(key)
     kind = next(a for a in getattr(hint, "__args__", None) or (hint,) if a is not type(None))
     # allow_None everywhere: an emptied number box is a value to complain about, not a crash.
     common = {"default": _default(key), "label": label, "doc": doc, "allow_None": True}
@@ -67,14 +61,6 @@ def control(key: str, label: str) -> param.Parameter:
     return param.Number(**common)
 
 
-def _field_types_of(key: str) -> Any:
-    cls: Any = TrainConfig
-    *parents, leaf = key.split(".")
-    for part in parents:
-        cls = _field_types(cls)[part]
-    return _field_types(cls)[leaf]
-
-
 def _backend_label(backend: str) -> str:
     return next(label for label, name in BACKEND_LABELS.items() if name == backend)
 
@@ -84,7 +70,7 @@ class RunSettings(param.Parameterized):
 
     preset = param.Selector(default=DEFAULTS, objects=[DEFAULTS, *PRESETS], label="preset",
                             doc="defaults: TrainConfig's (labavg train's); a named preset "
-                                "(labavg.base.config.PRESETS) changes what is trained, not ranks or K")
+                                "(labavg.training.config.PRESETS) changes what is trained, not ranks or K")
     backend = param.Selector(default=_backend_label(TrainConfig.backend), objects=list(BACKEND_LABELS),
                              label="backend",
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
@@ -113,6 +99,7 @@ class RunSettings(param.Parameterized):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
+        self.param.averaging.objects = list(method_names())  # methods registered since import
         self.param.watch(self._on_preset, "preset")
         self.param.watch(lambda *_: self._update_errors(),
                          [*CONTROLS, "backend", "runs_dir", "overrides"])

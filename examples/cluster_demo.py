@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 from labavg.jobs.cluster import Cluster
-from labavg.base.config import DataConfig, TrainConfig
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig
 from labavg.data.synth import synthesize
-from labavg.training.model import ModelConfig
+from labavg.training.settings import ModelConfig
 
 work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="labavg-cluster-"))
 corpus = work / "corpus"

@@ -23,15 +23,18 @@ from typing import Any
 from labavg.base.errors import PeerFailed, UserError, one_line, user_error_of
 
 def _add_train_parser(sub) -> None:
+    from labavg.averaging.registry import methods
+    from labavg.training.config import cli_flags
+
     p = sub.add_parser(
         "train", help="train a DNN with periodic model averaging",
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
+        epilog="averaging methods: " + "; ".join(
+            f"{name} ({cls.help})" for name, cls in methods().items()),
     )
-    from labavg.base.config import cli_flags
-
     p.add_argument("config", nargs="?", help="TOML configuration file")
-    for flag in cli_flags():  # declared with the settings (labavg.base.config)
+    for flag in cli_flags():  # declared with the settings, next to their code
         if flag.kind is bool:
             p.add_argument(flag.flag, dest=_dest(flag), action="store_true", help=flag.help)
         else:
@@ -54,7 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `labavg` command."""
     parser = argparse.ArgumentParser(prog="labavg", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_corpus_parser(sub)
+    _add_train_parser(sub)
+    _add_sweep_and_dashboard_parsers(sub)
+    _add_reproduce_parser(sub)
+    _add_decode_parser(sub)
+    _add_compare_parser(sub)
+    _add_info_parser(sub)
+    return parser
 
+
+def _add_corpus_parser(sub) -> None:
     corpus = sub.add_parser("corpus", help="built-in synthetic speech corpus")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
     synth = corpus_sub.add_parser(
@@ -72,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="held-out test set OUT_DIR/test, other speakers (default 0.5; 0: none)")
     synth.set_defaults(func=cmd_synth)
 
-    _add_train_parser(sub)
 
+def _add_sweep_and_dashboard_parsers(sub) -> None:
     sweep = sub.add_parser(
         "sweep", help="train a grid of configurations",
         description="Train every combination of a sweep file's [grid] on its [base] configuration, "
@@ -102,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--no-browser", action="store_true", help="do not open a browser")
     dash.set_defaults(func=cmd_dashboard)
 
+
+def _add_reproduce_parser(sub) -> None:
     rep = sub.add_parser(
         "reproduce", help="the regime map and the paper's comparisons, into REPRODUCTION.md",
         description="Run the sweeps of experiments/ (paper.toml: the paper's comparisons, decoded; "
@@ -127,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "with two seeds, a tiny model and corpora, all under --out (report included)")
     rep.set_defaults(func=cmd_reproduce)
 
+
+def _add_decode_parser(sub) -> None:
     decode = sub.add_parser(
         "decode", help="decode a data set with a run's final model (WER, PER)",
         description="Decode DIR with RUN_DIR/final.pt on an HLG graph (kaldifst, kaldi-decoder), "
@@ -144,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="acoustic scale (repeat to sweep; default 0.05..0.2)")
     decode.add_argument("--beam", type=float, default=None, help="decoding beam (default 13)")
     decode.set_defaults(func=cmd_decode)
-    _add_compare_parser(sub)
 
+
+def _add_info_parser(sub) -> None:
     info = sub.add_parser("info", help="summarise run directories",
                           description="Print the summaries of runs as one table: each PATH is a "
                           "run directory or a directory searched (recursively) for runs.")
@@ -153,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a run directory, or a directory of runs (a sweep, runs/)")
     info.add_argument("--json", action="store_true", help="print summary.json instead")
     info.set_defaults(func=cmd_info)
-    return parser
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -186,7 +203,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.base.config import TrainConfig, cli_flags, load_config, validate, with_overrides
+    from labavg.training.config import TrainConfig, cli_flags, load_config, validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.run_dir import load_config_of
 
     if args.resume:
@@ -211,8 +229,8 @@ def train_config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher, launcher_rank
     from labavg.jobs.launch import JobFailed, rank_config, start_run
-    from labavg.jobs.runs import run_training
     from labavg.jobs.summary import format_table
+    from labavg.jobs.runs import run_training
 
     try:
         if args.config_json:  # a rank of a job labavg.jobs.launch started
@@ -361,7 +379,8 @@ def _runs_under(path: str) -> list[Path]:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from labavg.jobs.index import CONFIG, SUMMARY, read_json
-    from labavg.jobs.summary import format_table, read_summary
+    from labavg.jobs.summary import format_table
+    from labavg.jobs.runs import read_summary
 
     run_dirs, seen = [], set()
     for path in args.run_dirs:

@@ -19,15 +19,9 @@ from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.base.config import (
-    BMUFConfig,
-    DiLoCoConfig,
-    TrainConfig,
-    estimate_memory,
-    load_config,
-    validate,
-    with_overrides,
-)
+from labavg.averaging.methods import BMUFConfig, DiLoCoConfig
+from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.jobs.index import read_events
@@ -280,13 +274,13 @@ def test_make_averager_follows_the_settings():
     def work(comm):
         cfg = with_overrides(TrainConfig(), {"averaging": "bmuf", "bmuf.momentum": 0.25,
                                              "average_every_frames": 2560, "minibatch": 256})
-        averager = make_averager(cfg, flat, comm)
+        averager = make_averager(cfg.averaging_plan(), flat, comm)
         assert isinstance(averager, BMUFAverager) and averager.eta == 0.25
         assert averager.every == 10 and averager.due(20, False) and not averager.due(21, False)
         assert averager.due(21, True)
         cfg = with_overrides(TrainConfig(), {"averaging": "diloco", "diloco.outer_lr": 0.5})
-        assert make_averager(cfg, flat, comm).alpha == 0.5
-        assert type(make_averager(TrainConfig(), flat, comm)) is Averager
+        assert make_averager(cfg.averaging_plan(), flat, comm).alpha == 0.5
+        assert type(make_averager(TrainConfig().averaging_plan(), flat, comm)) is Averager
 
     run_inproc(1, work)
 

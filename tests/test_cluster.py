@@ -20,7 +20,8 @@ import pytest
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.cluster_run import RunError
 from labavg.jobs.processes import pid_alive
-from labavg.base.config import DataConfig, TrainConfig
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
 from labavg.training.model import ModelConfig
 from labavg.jobs.index import read_events

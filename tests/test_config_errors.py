@@ -10,18 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.base.config import (
-    MEMORY_FRACTION,
-    TrainConfig,
-    check_model_size,
-    config_from_dict,
-    estimate_memory,
-    load_config,
-    validate,
-    with_overrides,
-)
+from labavg.training.memory import MEMORY_FRACTION
+from labavg.training.config import (TrainConfig, check_model_size, config_from_dict,
+                                    estimate_memory, load_config, validate)
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
-from labavg.training.model import DNN, ModelConfig, count_parameters, parameter_count
+from labavg.training.model import DNN, count_parameters
+from labavg.training.settings import ModelConfig
+from labavg.training.memory import parameter_count
 from labavg.optim.max_change import LayerUpdate, apply_updates, per_sample_scale
 
 

@@ -396,7 +396,7 @@ def test_a_preset_shows_in_its_boxes_and_the_server_trains_what_they_show(page, 
     the run the server starts has exactly what the boxes show (not the preset's epochs)."""
     _, runs = served
     page.get_by_label("preset", exact=True).select_option("teaching")
-    from labavg.base.config import PRESETS
+    from labavg.training.config import PRESETS
 
     teaching = PRESETS["teaching"]
     boxes = {"hidden layers": "model.hidden_layers", "hidden units": "model.hidden_dim",

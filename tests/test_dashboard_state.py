@@ -26,7 +26,8 @@ from dashboard.settings import (
     describe_config,
 )
 from dashboard.settings import _default as _setting_default
-from labavg.base.config import TrainConfig, preset_config, validate, with_overrides
+from labavg.training.config import TrainConfig, preset_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import EventTail, training_throughput
 
@@ -203,7 +204,7 @@ def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
     settings.payload_bits = 4
     cfg = settings.to_config(tmp_path / "r")
     assert (cfg.payload, cfg.payload_bits) == ("int", 4)
-    from labavg.base.config import to_dict
+    from labavg.base.settings import to_dict
 
     line = describe_config({**to_dict(cfg), "averaging": "bmuf"})
     assert "K=10 · bmuf · int4 payload · ngsgd" in line.replace(f"K={cfg.average_every}", "K=10")

@@ -21,7 +21,10 @@ from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
 from labavg.comm.inproc import run_inproc
 from labavg.comm.inproc_group import tree_sum
-from labavg.base.config import BMUFConfig, HierarchyConfig, TrainConfig, validate, with_overrides
+from labavg.averaging.methods import BMUFConfig
+from labavg.averaging.settings import HierarchyConfig
+from labavg.training.config import TrainConfig, validate
+from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labavg.base.config import TrainConfig, to_dict, with_overrides
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict, with_overrides
 from labavg.jobs.index import (
     differing_labels,
     find_baseline,

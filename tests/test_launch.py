@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from labavg.base.config import DataConfig, to_dict
+from labavg.data.settings import DataConfig
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.jobs.launch import LAUNCH_FILE, JobFailed, start_run
 from labavg.jobs.index import read_events

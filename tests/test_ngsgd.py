@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labavg.averaging.mean import flatten_parameters
-from labavg.base.config import NGConfig
+from labavg.optim.settings import NGConfig
 from labavg.base.errors import UserError
 from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer

@@ -22,7 +22,9 @@ from labavg.averaging.methods import ALL, Averager, BMUFAverager
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.base.config import BMUFConfig, TrainConfig, validate, with_overrides
+from labavg.averaging.methods import BMUFConfig
+from labavg.training.config import TrainConfig, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.overlap import OVERLAP, OverlapAverager, fragment_bounds
 from labavg.jobs.index import read_events
@@ -263,7 +265,7 @@ def test_overlap_none_trains_the_blocking_run_bit_for_bit(corpus, tmp_path):
     assert torch.equal(final_params(tmp_path / "plain"), final_params(tmp_path / "none"))
     assert none["overlap"] == "none" and none["comm_hidden_fraction"] is None
     assert none["overlap_bytes_sent"] == 0 and none["bytes_sent"] == plain["bytes_sent"]
-    assert type(make_averager(TrainConfig(), torch.zeros(4), None)) is Averager
+    assert type(make_averager(TrainConfig().averaging_plan(), torch.zeros(4), None)) is Averager
 
 
 def test_overlap_averager_describes_its_fragments():

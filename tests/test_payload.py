@@ -24,7 +24,8 @@ from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import InProcCommunicator, run_inproc
 from labavg.comm.inproc_group import InProcGroup
 from labavg.comm.launchers import mpiexec_command
-from labavg.base.config import TrainConfig, estimate_memory, load_config, validate, with_overrides
+from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload_bytes
 from labavg.jobs.index import read_events
@@ -388,7 +389,7 @@ def test_payload_settings_defaults_toml_and_make_averager(tmp_path):
     cfg = validate(load_config(path))
     assert (cfg.payload, cfg.payload_bits, cfg.error_feedback) == ("int", 4, False)
     comm = InProcCommunicator(InProcGroup(2), 0)
-    averager = make_averager(cfg, torch.zeros(3000), comm)
+    averager = make_averager(cfg.averaging_plan(), torch.zeros(3000), comm)
     assert (averager.payload, averager.bits, averager.residual) == ("int", 4, None)
     assert averager.bytes_per_round(torch.zeros(3000)) == 1500 + 4 * 3
     assert averager.global_model is not None

@@ -14,16 +14,11 @@ import torch
 from labavg.comm.inproc import InProcCommunicator
 from labavg.comm.inproc_group import InProcGroup
 from labavg.data.frames import splice
-from labavg.training.model import DNN, ModelConfig
-from labavg.training.rbm import (
-    RBM,
-    CD1Trainer,
-    RBMConfig,
-    momentum_at,
-    pretrain_dbn,
-    rbm_cd1_gradients,
-    reconstruction_runaway,
-)
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
+from labavg.training.rbm import (RBM, CD1Trainer, momentum_at, pretrain_dbn, rbm_cd1_gradients,
+                                 reconstruction_runaway)
+from labavg.training.settings import RBMConfig
 
 try:
     from labavg.comm.inproc import RankFailed, run_inproc

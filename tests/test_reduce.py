@@ -28,7 +28,9 @@ from labavg.comm.inproc import InProcCommunicator, RankFailed, run_inproc
 from labavg.comm.inproc_group import CollectiveMismatch, CollectiveTimeout, InProcGroup
 from labavg.comm.launchers import mpiexec_command
 from labavg.comm.reduce import bounds, reduce_mean
-from labavg.base.config import REDUCE, TrainConfig, load_config, validate, with_overrides
+from labavg.comm.settings import REDUCE
+from labavg.training.config import TrainConfig, load_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
@@ -264,8 +266,8 @@ def test_make_averager_takes_the_setting():
     comm = InProcCommunicator(InProcGroup(1), 0)
     for method in ("model", "bmuf", "diloco"):
         cfg = with_overrides(TrainConfig(), {"averaging": method, "reduce": "butterfly"})
-        assert make_averager(cfg, torch.zeros(2), comm).reduce == "butterfly"
-    assert make_averager(TrainConfig(), torch.zeros(2), comm).reduce == "allreduce"
+        assert make_averager(cfg.averaging_plan(), torch.zeros(2), comm).reduce == "butterfly"
+    assert make_averager(TrainConfig().averaging_plan(), torch.zeros(2), comm).reduce == "allreduce"
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from labavg.base import checkpoint
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.data.dataset import open_dataset
 from labavg.data.frames import split_cv
 from labavg.base.errors import UserError

@@ -8,14 +8,9 @@ from dataclasses import asdict
 
 import pytest
 
-from labavg.training.schedules import (
-    NewbobConfig,
-    NewbobState,
-    exponential_lr,
-    newbob_start,
-    newbob_step,
-    scale_lr,
-)
+from labavg.training.settings import NewbobConfig
+from labavg.training.schedules import (NewbobState, exponential_lr, newbob_start, newbob_step,
+                                       scale_lr)
 
 
 def test_scale_lr_rules():

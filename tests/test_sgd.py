@@ -131,7 +131,8 @@ def test_momentum_state_dict_round_trip_gives_identical_updates():
 
 
 def test_a_training_run_applies_max_change_to_ngsgd_only_unless_asked():
-    from labavg.base.config import TrainConfig, validate, with_overrides
+    from labavg.training.config import TrainConfig, validate
+    from labavg.base.settings import with_overrides
 
     assert TrainConfig(optimizer="sgd").max_change_limits() == (0.0, 0.0)  # nnet1: none
     assert TrainConfig(optimizer="ngsgd").max_change_limits() == (0.075, 2.0)  # nnet2's

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from labavg.studies import teaching
-from labavg.base.config import TrainConfig, preset_config, with_overrides
+from labavg.training.config import TrainConfig, preset_config
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 
 

@@ -16,7 +16,8 @@ from labavg.base import checkpoint
 from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import average_parameters, flatten_parameters
 from labavg.comm.inproc import run_inproc
-from labavg.base.config import DataConfig, TrainConfig, validate
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig, validate
 from labavg.data.dataset import open_dataset
 from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDone, RunStarted
 from labavg.training.model import DNN, ModelConfig

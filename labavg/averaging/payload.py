@@ -39,7 +39,7 @@ import torch
 
 from labavg.averaging.mean import AverageStats, agree
 from labavg.comm.base import Communicator
-from labavg.base.config import PAYLOAD_BITS, PAYLOADS
+from labavg.averaging.settings import PAYLOAD_BITS, PAYLOADS
 
 CHUNK = 1024  # values sharing one float32 scale in payload = int
 _FLOATS = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -38,7 +38,7 @@ import torch
 from labavg.comm.base import Communicator
 from labavg.comm.buffers import check_buffer
 
-# The names of `TrainConfig.reduce` (labavg.base.config.REDUCE, kept there to import no torch).
+# The names of `TrainConfig.reduce` (labavg.comm.settings.REDUCE, kept there to import no torch).
 ALGORITHMS = ("allreduce", "butterfly", "ring")
 # The cost model's formula for each (labavg.studies.costmodel.allreduce_coefficients). MPICH's
 # allreduce of a long message (over 2 KiB, labavg's parameters) is Rabenseifner's.

@@ -16,7 +16,7 @@ import os
 import torch
 
 from labavg.comm.devices import select_device
-from labavg.base.config import BACKENDS
+from labavg.comm.settings import BACKENDS
 from labavg.base.errors import UserError
 
 

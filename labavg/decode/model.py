@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from labavg.base.errors import DataError, UserError
-from labavg.training.model import DNN, ModelConfig
+from labavg.training.model import DNN
+from labavg.training.settings import ModelConfig
 
 FORMAT = "labavg-final"
 VERSION = 1

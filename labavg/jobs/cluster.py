@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any
 
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.jobs import engine
 from labavg.jobs.cluster_run import ClusterRun
 from labavg.jobs.processes import pid_alive, signal_pids, wait_pids

@@ -101,7 +101,7 @@ class EngineRun:
             self._cond.notify()
 
     def _train(self) -> None:
-        from labavg.base.config import config_from_dict
+        from labavg.training.config import config_from_dict
         from labavg.jobs.runs import run_training
 
         try:

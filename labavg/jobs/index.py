@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labavg.averaging.registry import MethodTable
+
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.json"
@@ -162,8 +164,8 @@ def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
     return run_row(name, summary.get("config", {}), summary)
 
 
-# The settings tables of each averaging method (labavg.averaging.methods): a run reads only its own.
-METHOD_TABLES = {"model": (), "bmuf": ("bmuf",), "diloco": ("diloco",)}
+# The settings tables of each averaging method (labavg.averaging.registry): a run reads only its own.
+METHOD_TABLES = MethodTable(lambda cls: () if cls.settings is None else (cls.method,))
 
 
 def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:

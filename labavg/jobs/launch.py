@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from labavg.base.config import TrainConfig, config_from_dict, to_dict, validate
+from labavg.training.config import TrainConfig, config_from_dict, validate
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 
 LAUNCH_FILE = ".launch.json"

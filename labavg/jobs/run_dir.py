@@ -28,7 +28,8 @@ from typing import Any
 
 from labavg.base.checkpoint import latest_step
 from labavg.comm.launchers import launcher_rank
-from labavg.base.config import TrainConfig, config_from_dict, to_dict
+from labavg.training.config import TrainConfig, config_from_dict
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, read_json

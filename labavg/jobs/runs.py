@@ -14,7 +14,8 @@ from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.base.events import Event, MinibatchDone, RunFinished, RunStarted
 from labavg.jobs.event_log import EventLog
 from labavg.jobs.index import CONFIG, SUMMARY, find_baseline

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
 from labavg.jobs.index import SUMMARY, summary_row

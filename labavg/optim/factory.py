@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from labavg.base.config import OPTIMIZERS
+from labavg.optim.settings import OPTIMIZERS
 from labavg.base.errors import UserError
 from labavg.optim.base import Optimizer
 

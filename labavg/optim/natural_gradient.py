@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from labavg.base.config import NGConfig
+from labavg.optim.settings import NGConfig
 from labavg.optim.max_change import row_sq_norms
 
 _F64 = torch.float64

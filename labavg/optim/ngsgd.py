@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from labavg.base.config import NGConfig
+from labavg.optim.settings import NGConfig
 from labavg.optim.base import StepStats
 from labavg.optim.max_change import (
     LayerUpdate,

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text, latest_step
-from labavg.base.config import TrainConfig, config_from_dict, to_dict, validate, with_overrides
+from labavg.training.config import TrainConfig, config_from_dict, validate
+from labavg.base.settings import to_dict, with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import SUMMARY, flatten_config, summary_row
 from labavg.jobs.run_dir import RunDirBusy, lock_held, run_dir_lock

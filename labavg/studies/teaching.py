@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from labavg.base.config import TrainConfig, preset_config, validate, with_overrides
+from labavg.training.config import TrainConfig, preset_config, validate
+from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 
 SIZE_VARIABLE = "LABAVG_NOTEBOOK_SIZE"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from labavg.base.config import TrainConfig
+from labavg.training.config import TrainConfig
 from labavg.base.events import Event
 from labavg.comm.base import Communicator
 from labavg.data.base import UtteranceSource

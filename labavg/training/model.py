@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 # The model's settings and size live with the other settings (torch-free).
-from labavg.base.config import NONLINEARITIES, ModelConfig, parameter_count  # noqa: F401
+from labavg.training.settings import NONLINEARITIES, ModelConfig
 
 class PNorm(nn.Module):
     """Kaldi's PnormComponent: the p-norm over non-overlapping groups of `group` units."""

@@ -23,7 +23,7 @@ import torch
 from labavg.averaging.factory import make_averager
 from labavg.averaging.interface import RoundAverager
 from labavg.averaging.mean import broadcast_parameters, flatten_parameters
-from labavg.base.config import TrainConfig
+from labavg.training.config import TrainConfig
 from labavg.base.events import (
     Averaged, CheckpointSaved, EpochDone, Event, Message, MinibatchDone, RunFinished, RunStarted,
 )
@@ -58,7 +58,7 @@ def train_rank(
     the averager says a round is due (every K-th minibatch and each epoch end). Checkpoints go
     to `run_dir` when given. `should_stop` is polled at every averaging round; when it is true
     on any rank, all ranks stop together after that round (with a checkpoint, so the run can
-    be resumed). `new_averager(cfg, flat, comm, sizes=...)` makes the run's averager
+    be resumed). `new_averager(cfg.averaging_plan(), flat, comm, sizes=...)` makes the run's averager
     (labavg.averaging.factory.make_averager; any RoundAverager will do).
     """
     run = yield from _set_up(comm, cfg, source, run_dir, resume, device or torch.device("cpu"),
@@ -153,7 +153,8 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
-    run.averager = new_averager(cfg, flat, comm, sizes=[p.numel() for p in model.parameters()])
+    run.averager = new_averager(cfg.averaging_plan(), flat, comm,
+                                sizes=[p.numel() for p in model.parameters()])
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
     return run

@@ -12,7 +12,8 @@ import torch
 from labavg.averaging.interface import RoundAverager
 from labavg.averaging.mean import AverageStats
 from labavg.base import checkpoint
-from labavg.base.config import TrainConfig, to_dict
+from labavg.training.config import TrainConfig
+from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved
 from labavg.comm.base import Communicator

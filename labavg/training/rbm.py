@@ -25,7 +25,7 @@ from torch import nn
 from labavg.averaging.methods import Averager
 from labavg.averaging.mean import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
-from labavg.base.config import RBMConfig  # noqa: F401 (declared with the other settings)
+from labavg.training.settings import RBMConfig
 from labavg.training.model import DNN
 
 

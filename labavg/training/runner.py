@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from labavg.base.config import TrainConfig
+from labavg.training.config import TrainConfig
 from labavg.base.errors import PeerFailed, one_line, user_error_of
 from labavg.base.events import Event
 from labavg.comm.base import Communicator
@@ -30,7 +30,7 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     Called before any rank allocates a model, so that what every rank would meet is reported once.
     """
-    from labavg.base.config import check_hierarchy, check_model_size
+    from labavg.training.config import check_hierarchy, check_model_size
 
     if size is not None:  # the launched ranks; validate checked cfg.ranks where it is known
         check_hierarchy(cfg, size)

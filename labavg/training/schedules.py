@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from labavg.base.config import LR_SCALING
-from labavg.base.config import NEWBOB_CRITERIA, NewbobConfig  # noqa: F401 (declared with the settings)
+from labavg.training.settings import LR_SCALING, NewbobConfig
 
 
 def scale_lr(lr: float, num_jobs: int, rule: str) -> float:

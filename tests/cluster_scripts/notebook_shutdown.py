@@ -17,8 +17,9 @@ from pathlib import Path
 from IPython.core.interactiveshell import InteractiveShell
 
 from labavg.jobs.cluster import Cluster
-from labavg.base.config import DataConfig, TrainConfig
-from labavg.training.model import ModelConfig
+from labavg.data.settings import DataConfig
+from labavg.training.config import TrainConfig
+from labavg.training.settings import ModelConfig
 
 
 async def notebook(corpus: Path, work: Path) -> None:

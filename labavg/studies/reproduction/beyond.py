@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from labavg.averaging.registry import MethodTable
 from labavg.studies.reproduction.tables import interval as _interval
 from labavg.studies.reproduction.tables import markdown_table
 from labavg.studies.reproduction.tables import mean_sd as _mean_sd
@@ -27,14 +28,14 @@ from labavg.studies.reproduction.tables import num as _num
 from labavg.studies.reproduction.tables import words
 from labavg.studies.reproduction.results import Run, paired, select
 from labavg.studies.reproduction.results import stat as _stat
-from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, WER_MARGIN, ZERO, Spread,
-                             spread, verdict)
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, WER_MARGIN, ZERO, Spread, spread, verdict)
+from labavg.base.settings import POSITIVE
 
-METHODS = ("model", "bmuf", "diloco")
+METHODS = MethodTable(lambda cls: cls.method)  # the registered methods, by name
 # The paper's averaging interval: what every other point is compared against.
 PAPER_K = 10
-_LABELS = {"model": "model (the paper's)", "bmuf": "BMUF", "diloco": "DiLoCo"}
-_SHORT = {"model": "model", "bmuf": "BMUF", "diloco": "DiLoCo"}
+_LABELS = MethodTable(lambda cls: cls.label)
+_SHORT = MethodTable(lambda cls: cls.short)
 
 
 def _payload(run: Run) -> str:

@@ -14,8 +14,8 @@ from typing import Any
 
 from labavg.jobs.index import flatten_config
 from labavg.studies.reproduction.results import Run, paired, select
-from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, ZERO, Spread,
-                                                  in_direction, log_ratio, spread, verdict)
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, ZERO, Spread, in_direction, log_ratio, spread, verdict)
+from labavg.base.settings import POSITIVE
 
 # Su & Chen (2015), WER % on the Switchboard test set; 1-GPU baseline 14.7.
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}
@@ -108,7 +108,7 @@ def effect(runs: list[Run], base: dict[str, Any], pair: Pair) -> Effect:
 def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:
     """The sweep's base values of the varied settings (from its file, else the commonest)."""
     if sweep_file is not None and sweep_file.is_file():
-        from labavg.base.config import to_dict
+        from labavg.base.settings import to_dict
         from labavg.studies.sweep import load_sweep
 
         base = flatten_config(to_dict(load_sweep(sweep_file).base))

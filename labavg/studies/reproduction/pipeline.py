@@ -70,7 +70,8 @@ def _load_in(file: Path, cwd: Path):
 
 def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | None = None) -> None:
     """1 and 2 MPI ranks (K = 10 and 20) with the comparisons' model and data; resumable."""
-    from labavg.base.config import validate, with_overrides
+    from labavg.training.config import validate
+    from labavg.base.settings import with_overrides
     from labavg.jobs.launch import start_run
 
     base = load_sweep(paper_file).base

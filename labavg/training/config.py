@@ -1,0 +1,369 @@
+"""A training run's settings: the TrainConfig composite of every section, its validation,
+presets and memory check.
+
+Each section is declared next to the code it configures ([model], [rbm], [newbob] in
+labavg.training.settings, [data] in labavg.data.settings, [ngsgd] in labavg.optim.settings,
+[hierarchy] in labavg.averaging.settings, each averaging method's table with the method,
+labavg.averaging.methods); the machinery that reads, checks and lists them is
+labavg.base.settings. A TOML file holds the training keys at the top level and one table per
+section. Importing this module imports no torch (validation loads the averaging methods,
+which do).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labavg.averaging.registry import method_names, method_sections, methods
+from labavg.averaging.settings import OVERLAP, PAYLOAD_BITS, PAYLOADS, AveragingPlan, HierarchyConfig
+from labavg.base.errors import UserError
+from labavg.base.faults import parse_fault
+from labavg.base.settings import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
+                                  check_directory, check_value, field_of, first_problem, flags,
+                                  from_dict, load_toml, named_sections, one_of, real, setting,
+                                  type_of, with_overrides)
+from labavg.comm.settings import BACKENDS, REDUCE
+from labavg.data.settings import DataConfig
+from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig
+from labavg.training.memory import (BYTES_PER_PARAMETER, MEMORY_FRACTION, MIN_FEAT_DIM,
+                                    MIN_NUM_PDFS, PAYLOAD_BYTES_PER_PARAMETER, parameter_count,
+                                    physical_memory)
+from labavg.training.settings import (LR_SCALING, PRETRAIN, SCHEDULES, ModelConfig,
+                                      NewbobConfig, RBMConfig)
+
+# torch's intra-op pool gains nothing past the cores (4x leaves room for SMT and for
+# oversubscription experiments), and a pool of 10^5 threads makes OpenMP fail inside torch
+# with a segfault rather than an error.
+THREADS_PER_CORE_LIMIT = 4
+
+
+def _threads_limit() -> int:
+    return THREADS_PER_CORE_LIMIT * (os.cpu_count() or 1)
+
+
+LIMIT = real(0, text="finite and >= 0 (0 turns the limit off)")
+DEVICE = Rule(lambda v: v in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", v) is not None,
+              "cpu, cuda, cuda:N or auto")
+THREADS = Rule(lambda v: 1 <= v <= _threads_limit(),
+               f"in 1..{THREADS_PER_CORE_LIMIT} x the {os.cpu_count() or 1} CPUs of this machine",
+               low=1, high=_threads_limit())
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. Defaults follow the paper where CPU time allows."""
+
+    out: str = setting("runs/run", "run directory to write", flag="--out")
+    backend: str = setting("inproc", "how the ranks talk", one_of(BACKENDS), flag="--backend")
+    ranks: int = setting(1, "number of workers (num_jobs)", POSITIVE, flag="--ranks")
+    # the paper: 10 minibatches of 1024 frames
+    average_every: int = setting(10, "minibatches between averaging rounds (K)", POSITIVE,
+                                 flag="--average-every")
+    average_every_frames: int | None = setting(
+        None, "frames between averaging rounds (K = round(frames / minibatch))", POSITIVE,
+        flag="--average-every-frames")
+    averaging: str = setting("model", "how a round combines the models (model: plain average, "
+                             "the paper; a method's settings in its own table, e.g. [bmuf])",
+                             one_of(method_names), flag="--averaging")
+    reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
+                          "collective; butterfly: recursive halving and doubling; ring)",
+                          one_of(REDUCE), flag="--reduce")
+    payload: str = setting("fp32", "what a round sends (fp32: the parameters; bf16, fp16, int: "
+                           "their change since the last round, compressed)", one_of(PAYLOADS),
+                           flag="--payload")
+    payload_bits: int = setting(8, "bits per value of payload = int (4, 8 or 16)",
+                                Rule(lambda v: v in PAYLOAD_BITS, "4, 8 or 16 (the quantisation "
+                                      "bits of payload = int)"),
+                                flag="--payload-bits")
+    error_feedback: bool = setting(True, "a lossy payload adds each rank's compression error to "
+                                   "its next round's change (1-bit SGD, EF-SGD)")
+    overlap: str = setting("none", "hide the round's mean behind the next K minibatches (eager: "
+                           "one round late, the whole model; streaming: one fragment per round)",
+                           one_of(OVERLAP), flag="--overlap")
+    streaming_fragments: int = setting(4, "overlap = streaming: contiguous fragments of the "
+                                       "model (whole parameter tensors), one synced per round",
+                                       POSITIVE)
+    # the paper trains with natural-gradient SGD
+    optimizer: str = setting("ngsgd", "optimizer", one_of(OPTIMIZERS), flag="--optimizer")
+    lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
+                        FINITE_POSITIVE, flag="--lr")
+    final_lr: float | None = setting(None, "final learning rate (default 0.01 x lr, as the paper)",
+                                     FINITE_POSITIVE, flag="--final-lr")
+    lr_scaling: str = setting("linear", "effective lr x num_jobs (linear, as the paper and "
+                              "Kaldi), x sqrt(num_jobs), or none", one_of(LR_SCALING),
+                              flag="--lr-scaling")
+    schedule: str = setting("exponential", "learning-rate schedule", one_of(SCHEDULES),
+                            flag="--schedule")
+    pretrain: str = setting("none", "initialisation", one_of(PRETRAIN), flag="--pretrain")
+    minibatch: int = setting(256, "frames per minibatch", POSITIVE, flag="--minibatch")
+    epochs: int = setting(2, "passes over the training data", POSITIVE, flag="--epochs")
+    seed: int = setting(0, "random seed", SEED, flag="--seed")
+    device: str = setting("cpu", "device", DEVICE, flag="--device")
+    threads: int = setting(1, "torch threads per process", THREADS, flag="--threads")
+    # nnet1's SGD, the paper's baseline, has no max-change; NG-SGD comes from nnet2/3 with it.
+    max_change_per_sample: float | None = setting(
+        None, "Kaldi's per-layer max-change per sample (default: 0.075 for ngsgd, off for sgd; "
+        "0: off)", LIMIT)
+    max_param_change: float | None = setting(
+        None, "Kaldi's whole-model max-change (default: 2.0 for ngsgd, off for sgd; 0: off)",
+        LIMIT)
+    checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
+                                    POSITIVE, flag="--checkpoint-every")
+    log_every: int = setting(1, "minibatches between per-minibatch events", POSITIVE)
+    tensorboard: bool = setting(True, "write TensorBoard files")
+    inject_fault: str | None = setting(None, 'a deliberate fault, e.g. "nan@rank1:step20" '
+                                       "(labavg.base.faults)")
+    watchdog_seconds: float = setting(
+        120.0, "a rank silent this long ends the job (0: off; labavg.comm.watchdog)",
+        real(0, text="finite and >= 0 (0 turns the watchdog off)"))
+    decode_data: str | None = setting(
+        None, "decode this at the end (a data dir, or a corpus with dev/ and test/); "
+        "summary.json gains wer and per", NONEMPTY, flag="--decode-data")
+    model: ModelConfig = setting(help="the DNN", factory=ModelConfig)
+    data: DataConfig = setting(help="the data", factory=DataConfig)
+    ngsgd: NGConfig = setting(help="natural-gradient SGD", factory=NGConfig)
+    rbm: RBMConfig = setting(help="RBM pretraining", factory=RBMConfig)
+    newbob: NewbobConfig = setting(help="the Newbob schedule", factory=NewbobConfig)
+    # One table per registered averaging method with settings ([bmuf], [diloco]), read as
+    # `cfg.bmuf`; labavg.averaging.registry.
+    method_settings: dict[str, Any] = setting(help="each averaging method's own table",
+                                              factory=dict, sections=method_sections)
+    hierarchy: HierarchyConfig = setting(help="averaging within nodes, then across them",
+                                         factory=HierarchyConfig)
+
+    def __post_init__(self) -> None:
+        self.method_settings = named_sections(TrainConfig, self.method_settings, "method_settings")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what is not an attribute: a method's table by its name (`cfg.bmuf`).
+        sections = self.__dict__.get("method_settings", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def averaging_plan(self) -> AveragingPlan:
+        """The plain values labavg.averaging.factory.make_averager builds the averager from."""
+        return AveragingPlan(
+            method=self.averaging, every=self.averaging_interval(), reduce=self.reduce,
+            payload=self.payload, bits=self.payload_bits, error_feedback=self.error_feedback,
+            method_settings=self.method_settings.get(self.averaging), hierarchy=self.hierarchy,
+            overlap=self.overlap, fragments=self.streaming_fragments)
+
+    def averaging_interval(self) -> int:
+        """K, the number of minibatches between averaging rounds."""
+        if self.average_every_frames is not None:
+            return max(1, round(self.average_every_frames / self.minibatch))
+        return self.average_every
+
+    def max_change_limits(self) -> tuple[float, float]:
+        """(max_change_per_sample, max_param_change) in force: Kaldi nnet2's for NG-SGD,
+        none for plain SGD unless set (0 means off)."""
+        per_sample, whole = MAX_CHANGE_DEFAULTS[self.optimizer]
+        return (per_sample if self.max_change_per_sample is None else self.max_change_per_sample,
+                whole if self.max_param_change is None else self.max_param_change)
+
+    def final_learning_rate(self) -> float:
+        """The unscaled final learning rate (0.01 x initial unless set)."""
+        return self.final_lr if self.final_lr is not None else 0.01 * self.lr
+
+    def problem(self, prefix: str = "") -> str | None:
+        """What ties the run's settings and sections together; the message, or None."""
+        if self.hierarchy.every > 0:
+            problem = self.hierarchy_problem(
+                self.ranks if self.backend == "inproc" or self.ranks > 1 else None)
+            if problem is not None:
+                return problem
+        if self.payload != "fp32" and self.reduce != "allreduce":
+            # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
+            return (f"payload = {self.payload!r} gathers the ranks' compressed changes and cannot "
+                    f"use reduce = {self.reduce!r} (set reduce = \"allreduce\" or payload = "
+                    f"\"fp32\")")
+        if self.overlap != "none":
+            problem = self.overlap_problem()
+            if problem is not None:
+                return problem
+        if self.data.buffer_frames < self.minibatch:
+            # FrameBatches needs a whole minibatch in its buffer.
+            return (f"data.buffer_frames ({self.data.buffer_frames}) must be at least the "
+                    f"minibatch ({self.minibatch})")
+        return None
+
+    def hierarchy_problem(self, size: int | None) -> str | None:
+        """What is wrong with the [hierarchy] settings on `size` ranks (None: not known yet)."""
+        if self.average_every_frames is not None:
+            k_name = (f"K = {self.averaging_interval()} (average_every_frames = "
+                      f"{self.average_every_frames})")
+        else:
+            k_name = f"average_every = {self.average_every}"
+        return self.hierarchy.problem_with(self.averaging_interval(), k_name, self.backend, size)
+
+    def overlap_problem(self) -> str | None:
+        """What `overlap` does not combine with (labavg.averaging.overlap, docs/averaging.md
+        "Overlap")."""
+        mode = self.overlap
+        if self.hierarchy.every > 0:
+            return f"overlap = {mode} does not combine with hierarchy.every > 0 yet"
+        if self.reduce != "allreduce":
+            return (f"overlap = {mode} needs reduce = allreduce (the backend's non-blocking "
+                    f"collective); reduce = {self.reduce} is a blocking exchange")
+        if self.payload != "fp32":
+            # The compressed payloads are gathered by a blocking allgather (labavg.averaging.payload).
+            return (f"overlap = {mode} does not combine with payload = {self.payload!r} yet "
+                    f"(set payload = \"fp32\" or overlap = \"none\")")
+        tensors = 2 * (self.model.hidden_layers + 1)  # a weight and a bias per affine layer
+        if mode == "streaming" and self.streaming_fragments > tensors:
+            return (f"streaming_fragments = {self.streaming_fragments} exceeds the {tensors} "
+                    f"parameter tensors of a model with {self.model.hidden_layers} hidden layers")
+        return None
+
+
+def _with_method_keywords(init: Any) -> Any:
+    """TrainConfig's __init__ taking a method's table as a keyword too (`bmuf=BMUFConfig(...)`,
+    and so `dataclasses.replace(cfg, bmuf=...)`), as it is read (`cfg.bmuf`)."""
+    @functools.wraps(init)
+    def __init__(self: TrainConfig, *args: Any, **values: Any) -> None:
+        known = method_sections()
+        given = {name: values.pop(name) for name in list(values) if name in known}
+        if given:
+            values["method_settings"] = {**values.get("method_settings", {}), **given}
+        init(self, *args, **values)
+
+    return __init__
+
+
+TrainConfig.__init__ = _with_method_keywords(TrainConfig.__init__)  # type: ignore[method-assign]
+
+
+def config_from_dict(values: Any, source: str = "config") -> TrainConfig:
+    """Build a TrainConfig from nested plain values, naming `source` in every error."""
+    return from_dict(TrainConfig, values, source)
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Parse a TOML file into a TrainConfig. Errors name the file, and the line for syntax."""
+    return load_toml(TrainConfig, path)
+
+
+def cli_flags() -> list[Flag]:
+    """The flags of `labavg train`: every setting that declares one, in declaration order."""
+    return flags(TrainConfig)
+
+
+def setting_field(dotted: str) -> Any:
+    """The dataclass field of a dotted TrainConfig key (`model.hidden_dim`)."""
+    return field_of(TrainConfig, dotted)
+
+
+def setting_type(dotted: str) -> Any:
+    """The type hint of a dotted TrainConfig key (`model.hidden_dim`: int)."""
+    return type_of(TrainConfig, dotted)
+
+
+def check_setting(key: str, value: Any) -> str | None:
+    """What is wrong with `value` for the one TrainConfig setting `key` (dotted), or None;
+    in `validate`'s words (labavg.base.settings.check_value)."""
+    return check_value(TrainConfig, key, value)
+
+
+def check_hierarchy(cfg: TrainConfig, size: int) -> None:
+    """UserError unless the [hierarchy] settings fit `size` ranks (the launched ones)."""
+    if cfg.hierarchy.every > 0:
+        problem = cfg.hierarchy_problem(size)
+        if problem is not None:
+            raise UserError(problem)
+
+
+# Named sets of overrides (dotted keys) of TrainConfig's defaults, for the dashboard's preset
+# selector and `with_overrides`. Only what is trained changes, never ranks or K: runs of one
+# preset then pair with its 1-rank runs for a speedup, whatever their ranks and K.
+PRESETS: dict[str, dict[str, Any]] = {
+    # A model small enough that a class sees it learn in minutes: on the 1 h built-in corpus,
+    # 1 rank, 2 epochs took 106 s of training and reached 65.1 % CV frame accuracy (the
+    # defaults' 4 x 512: 68.0 %, docs/corpus.md) on a shared 2-core machine. The paper's
+    # optimizer and schedule, as the defaults.
+    "teaching": {"model.hidden_layers": 2, "model.hidden_dim": 256, "epochs": 2},
+}
+
+
+def preset_config(name: str, cfg: TrainConfig | None = None) -> TrainConfig:
+    """`cfg` (TrainConfig's defaults unless given) with preset `name`'s overrides."""
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return with_overrides(TrainConfig() if cfg is None else cfg, PRESETS[name])
+
+
+def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
+    """Bytes one process of `cfg` needs for its model(s), minibatches and frame buffer.
+
+    Per worker: 16 bytes per parameter (labavg.training.memory.BYTES_PER_PARAMETER; more for
+    the outer state of a method that keeps one, its `outer_bytes_per_parameter`), the spliced
+    frame buffer, and the activations of a minibatch with their gradients. An inproc run holds
+    all its workers in one process; an MPI or torch rank holds one (ranks may be on other
+    machines).
+    """
+    m = cfg.model
+    params = parameter_count(m, input_dim, num_pdfs)
+    widths = input_dim + 2 * m.hidden_layers * m.hidden_dim + num_pdfs
+    buffer = max(cfg.data.buffer_frames, cfg.minibatch, cfg.rbm.minibatch_size) * input_dim * 4
+    method = methods().get(cfg.averaging)
+    per_parameter = BYTES_PER_PARAMETER + (method.outer_bytes_per_parameter if method else 0)
+    if cfg.payload != "fp32":
+        per_parameter += PAYLOAD_BYTES_PER_PARAMETER
+    per_worker = params * per_parameter + buffer + 2 * 4 * cfg.minibatch * widths
+    return per_worker * (cfg.ranks if cfg.backend == "inproc" else 1)
+
+
+def check_model_size(cfg: TrainConfig, input_dim: int, num_pdfs: int,
+                     memory: int | None = None) -> int:
+    """UserError unless `estimate_memory` fits in MEMORY_FRACTION of physical memory.
+
+    Call it with the real input dim (feature dim x (2 context + 1)) and number of pdfs once
+    the data is open, before the model is built. `memory` (bytes) replaces the machine's
+    physical memory (tests); where neither is known the check passes. Returns the estimate.
+    """
+    need = estimate_memory(cfg, input_dim, num_pdfs)
+    memory = physical_memory() if memory is None else memory
+    if memory is not None and need > MEMORY_FRACTION * memory:
+        m = cfg.model
+        params = parameter_count(m, input_dim, num_pdfs)
+        workers = f" for {cfg.ranks} inproc workers" if cfg.backend == "inproc" and cfg.ranks > 1 else ""
+        raise UserError(
+            f"the model does not fit in memory: model.hidden_layers={m.hidden_layers}, "
+            f"model.hidden_dim={m.hidden_dim}, minibatch={cfg.minibatch}, "
+            f"data.buffer_frames={cfg.data.buffer_frames} on {input_dim} inputs and {num_pdfs} "
+            f"pdfs give {params:.3g} parameters, about {need / 2**30:.3g} GiB{workers}; the "
+            f"limit is {MEMORY_FRACTION:g} of this machine's {memory / 2**30:.3g} GiB"
+        )
+    return need
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Raise UserError naming the first bad value; return cfg unchanged when all are good.
+
+    Every field of every section is checked (its rule), then what ties them together (each
+    section's `problem`), the run directory, and the model's size for the smallest plausible
+    data.
+    """
+    problem = first_problem(cfg)
+    if problem is not None:
+        raise UserError(problem)
+    if not NONEMPTY.ok(cfg.out):
+        raise UserError(bad("out", "a non-empty path (the run directory)", cfg.out))
+    problem = check_directory(cfg.out, "out", "the run directory")
+    if problem is not None:
+        raise UserError(problem)
+    if cfg.pretrain == "rbm" and cfg.model.nonlinearity != "sigmoid":
+        raise UserError("pretrain = 'rbm' initialises sigmoid layers; set model.nonlinearity = 'sigmoid'")
+    if cfg.inject_fault is not None:
+        fault = parse_fault(cfg.inject_fault)
+        if fault.kind == "kill" and cfg.backend == "inproc":
+            raise UserError("inject_fault 'kill' needs processes: use backend 'mpi' or 'torch'")
+        if fault.rank >= cfg.ranks:
+            raise UserError(f"inject_fault names rank {fault.rank} but the run has {cfg.ranks} ranks")
+    check_model_size(cfg, MIN_FEAT_DIM * (2 * cfg.data.context + 1), MIN_NUM_PDFS)
+    return cfg
