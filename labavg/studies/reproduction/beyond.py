@@ -28,8 +28,8 @@ from labavg.studies.reproduction.tables import num as _num
 from labavg.studies.reproduction.tables import words
 from labavg.studies.reproduction.results import Run, paired, select
 from labavg.studies.reproduction.results import stat as _stat
-from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, WER_MARGIN, ZERO, Spread, spread, verdict)
-from labavg.base.settings import POSITIVE
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, WER_MARGIN, ZERO,
+                                                Spread, spread, verdict)
 
 METHODS = MethodTable(lambda cls: cls.method)  # the registered methods, by name
 # The paper's averaging interval: what every other point is compared against.

@@ -14,8 +14,8 @@ from typing import Any
 
 from labavg.jobs.index import flatten_config
 from labavg.studies.reproduction.results import Run, paired, select
-from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, ZERO, Spread, in_direction, log_ratio, spread, verdict)
-from labavg.base.settings import POSITIVE
+from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, ZERO, Spread,
+                                                in_direction, log_ratio, spread, verdict)
 
 # Su & Chen (2015), WER % on the Switchboard test set; 1-GPU baseline 14.7.
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}

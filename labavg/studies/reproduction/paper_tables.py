@@ -11,8 +11,7 @@ from labavg.studies.reproduction.paper import (HEADLINE, PAIRS, PAPER_WORKERS, W
 from labavg.studies.reproduction.prose import pair_sentence, yesno_sentence
 from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
 from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, percent
-from labavg.studies.reproduction.verdicts import NEGATIVE, ZERO, spread, verdict
-from labavg.base.settings import POSITIVE
+from labavg.studies.reproduction.verdicts import NEGATIVE, POSITIVE, ZERO, spread, verdict
 
 
 def _paper_cell(pair: Pair) -> str:
