@@ -307,6 +307,7 @@ def test_plain_settings_train_the_same_model_inproc(corpus, tmp_path, ranks):
     assert not torch.equal(trained("bmuf-default", averaging="bmuf")[0], plain[0])
 
 
+@pytest.mark.slow
 def test_plain_settings_train_the_same_model_on_mpi_ranks(corpus, tmp_path):
     common = ["train", "--data", str(corpus), "--ranks", "2", "--backend", "mpi", *SMALL]
     models = {}
@@ -322,6 +323,7 @@ def test_plain_settings_train_the_same_model_on_mpi_ranks(corpus, tmp_path):
     assert read_summary(tmp_path / "bmuf")["averaging"] == "bmuf"
 
 
+@pytest.mark.slow
 def test_plain_settings_train_the_same_model_on_torchrun_ranks(corpus, tmp_path):
     torchrun = Path(PYTHON).parent / "torchrun"
     common = ["--data", str(corpus), "--ranks", "2", "--backend", "torch", *SMALL]

@@ -337,6 +337,7 @@ def test_averagers_describe_what_the_run_reports():
 # --- process backends -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_mpi_ranks_by_node_size_and_by_shared_memory(corpus, tmp_path):
     common = ["train", "--data", str(corpus), "--ranks", "4", *SMALL]
     runs = {
@@ -362,6 +363,7 @@ def test_mpi_ranks_by_node_size_and_by_shared_memory(corpus, tmp_path):
     assert not torch.equal(final_params(tmp_path / "two-mpi"), final_params(tmp_path / "flat-mpi"))
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_by_node_size_and_by_node(corpus, tmp_path):
     torchrun = Path(PYTHON).parent / "torchrun"
     common = ["--data", str(corpus), "--ranks", "4", "--backend", "torch", *SMALL,

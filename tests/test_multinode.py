@@ -29,6 +29,9 @@ from labavg.jobs.summary import read_summary
 
 from test_train import SMALL, final_params
 
+# Emulated nodes: network namespaces, links and a job per node (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "emulated-nodes.sh"
 PYTHON = sys.executable
