@@ -32,10 +32,11 @@ from typing import Any, Protocol
 
 from labavg.config import TrainConfig, config_from_dict, to_dict, validate
 from labavg.errors import UserError
+from labavg.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
 STOP_FILE = ".stop"
-LAUNCHERS = ("threads", "job", "engines")
+LAUNCHERS = ("threads", "job", "engines", "slurm")
 _POLL_SECONDS = 0.05
 
 
@@ -83,9 +84,9 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
         if cwd is not None:
             raise UserError("cwd needs processes: a thread cannot have a working directory of its own")
         return ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress)
-    if launcher == "job":
+    if launcher in ("job", "slurm"):  # slurm: srun in this allocation instead of mpiexec
         return JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts, progress=progress,
-                      cwd=cwd)
+                      cwd=cwd, slurm=launcher == "slurm")
     if launcher == "engines":
         return EnginesRun(cfg, resume=resume, cluster=cluster)
     raise UserError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
@@ -173,9 +174,18 @@ def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
     return cfg, bool(values.get("resume")), values.get("stop_file")
 
 
-def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None) -> list[str]:
-    """The command running `python *argv` as the job's ranks: mpiexec, torchrun, or plain."""
+def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None,
+                slurm: bool = False) -> list[str]:
+    """The command running `python *argv` as the job's ranks: mpiexec, torchrun, srun, or plain."""
     from labavg.comm.launchers import mpiexec_command, torchrun_command
+
+    if slurm:
+        from labavg.slurm import srun_command
+
+        if hosts:
+            raise UserError("--hosts is for mpiexec; under --launcher slurm the allocation "
+                            "says which nodes run the ranks")
+        return srun_command(cfg.ranks, argv, backend=cfg.backend)
 
     if cfg.backend == "mpi":
         return mpiexec_command(cfg.ranks, argv, hosts=hosts)
@@ -194,7 +204,8 @@ class JobRun:
     """
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
-                 hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None):
+                 hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None,
+                 slurm: bool = False):
         from labavg.runs import EventTail, EVENTS, LOCK_HELD_ENV, preflight, run_dir_lock
 
         self.cfg = cfg
@@ -224,7 +235,7 @@ class JobRun:
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             env = {**os.environ, LOCK_HELD_ENV: str(self.run_dir.resolve()), "PYTHONPATH": path}
             self._proc = subprocess.Popen(
-                job_command(cfg, argv, hosts=hosts), stdout=subprocess.PIPE,
+                job_command(cfg, argv, hosts=hosts, slurm=slurm), stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                 preexec_fn=_end_with_parent if sys.platform == "linux" else None)
         except BaseException:
@@ -233,6 +244,7 @@ class JobRun:
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
         self._launcher_lines: list[str] = []
+        self._rank_spoke = False  # a rank said why it ended the job ("labavg: rank R failed")
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
         self._relay.start()
@@ -247,9 +259,11 @@ class JobRun:
                 if message in self._errors:
                     continue
                 self._errors.append(message)
+            elif line.startswith("labavg: rank "):
+                self._rank_spoke = True
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
-            elif _HYDRA_TRACE.match(line):
+            elif _HYDRA_TRACE.match(line) or _SRUN_LINE.match(line):
                 # Across hosts, the proxies and mpiexec trace how they noticed a lost process;
                 # held back, and shown only if labavg cannot say which rank was lost.
                 self._launcher_lines.append(line)
@@ -268,8 +282,8 @@ class JobRun:
                 sys.stdout.flush()
             code = self._proc.wait()
             self._relay.join()
-            lost = _lost_ranks(self.run_dir, self._lost_pids)
-            if code == 0 or not lost:
+            lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
+            if code == 0 or not (lost or self._rank_spoke):
                 sys.stderr.writelines(self._launcher_lines)
             if code != 0 and not self._errors:
                 print(f"labavg: error: the {_job_kind(self.cfg)} job failed (exit status {code}); "
@@ -326,6 +340,13 @@ def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
         return ""
     ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
     return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
+
+
+def _srun_lost(lines: list[str]) -> str:
+    """'rank R was lost; ' for each task srun reported ended badly (none under mpiexec)."""
+    from labavg.slurm import ended_tasks
+
+    return "".join(f"rank {r} was lost; " for r in ended_tasks(lines))
 
 
 def _last_steps(run_dir: Path) -> str:
