@@ -56,8 +56,26 @@ def srun_command(n: int, argv: list[str], *, backend: str,
     srun = shutil.which("srun")
     if srun is None:
         raise UserError("srun not found on PATH, though SLURM_JOB_ID is set")
-    return [srun, "--ntasks", str(n), "--mpi=pmi2", "--kill-on-bad-exit=1", "--export=ALL",
-            sys.executable, *argv]
+    netmod = ",".join(f"{k}={v}" for k, v in mpich_env(env).items())
+    return [srun, "--ntasks", str(n), "--mpi=pmi2", "--kill-on-bad-exit=1",
+            f"--export=ALL,{netmod}", sys.executable, *argv]
+
+
+def mpich_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """MPICH's network settings for ranks srun starts, where the user has not set their own.
+
+    The wheel's MPICH would pick its UCX netmod, whose MPI_Init failed in about half the srun
+    runs measured here (UCX address exchange "Invalid parameter", truncated messages);
+    libfabric's tcp provider, which labavg's mpiexec path uses too, did not fail. Within one
+    node it stays on the loopback (LOOPBACK_MPICH_ENV).
+    """
+    from labavg.comm.launchers import LOOPBACK_MPICH_ENV
+
+    env = os.environ if env is None else env
+    wanted = dict(LOOPBACK_MPICH_ENV)
+    if env.get("SLURM_JOB_NUM_NODES", "1") != "1":
+        del wanted["FI_TCP_IFACE"]  # several nodes: the user's interface, or libfabric's pick
+    return {k: v for k, v in wanted.items() if k not in env}
 
 
 def ended_tasks(lines: list[str]) -> list[int]:
