@@ -244,7 +244,7 @@ class JobRun:
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
         self._launcher_lines: list[str] = []
-        self._rank_spoke = False  # a rank said why it ended the job ("labavg: rank R failed")
+        self._rank_said: list[str] = []  # why a rank ended the job ("labavg: rank R failed: ...")
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
         self._relay.start()
@@ -260,10 +260,16 @@ class JobRun:
                     continue
                 self._errors.append(message)
             elif line.startswith("labavg: rank "):
-                self._rank_spoke = True
+                # Folded into the job's one closing line, with where each rank got to.
+                self._rank_said.append(_ENDING_THE_JOB.sub("", line.strip()[len("labavg: "):]))
+                continue
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
-            elif _HYDRA_TRACE.match(line) or _SRUN_LINE.match(line):
+            elif (_HYDRA_TRACE.match(line) or _SRUN_LINE.match(line)
+                  or self.cfg.backend == "torch"):
+                # torchrun's own log lines and its ChildFailedError traceback too; a worker
+                # it saw killed by a signal ("exitcode: -9") is a lost rank.
+                self._lost_pids.update(int(p) for p in _TORCHRUN_SIGNALLED.findall(line))
                 # Across hosts, the proxies and mpiexec trace how they noticed a lost process;
                 # held back, and shown only if labavg cannot say which rank was lost.
                 self._launcher_lines.append(line)
@@ -283,11 +289,14 @@ class JobRun:
             code = self._proc.wait()
             self._relay.join()
             lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
-            if code == 0 or not (lost or self._rank_spoke):
+            if code == 0 or not (lost or self._rank_said):
                 sys.stderr.writelines(self._launcher_lines)
-            if code != 0 and not self._errors:
-                print(f"labavg: error: the {_job_kind(self.cfg)} job failed (exit status {code}); "
-                      f"{lost}{_last_steps(self.run_dir)}", file=sys.stderr)
+            if code == 0:
+                sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
+            elif not self._errors:
+                said = "".join(f"{s}; " for s in self._rank_said[:1])
+                print(f"labavg: error: {said}the {_job_kind(self.cfg)} job failed (exit status "
+                      f"{code}); {lost}{_last_steps(self.run_dir)}", file=sys.stderr)
             self.code = code
         finally:
             self._held.close()
@@ -328,6 +337,9 @@ def _end_with_parent() -> None:
 # What hydra and MPICH print about a failed job, which labavg's own message replaces.
 _HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
                 "application called MPI_Abort")
+# How a failed rank's line ends under each launcher: the closing line says what happened next.
+_ENDING_THE_JOB = re.compile(r"; (exiting so torchrun ends the job|aborting all \d+ MPI ranks)$")
+_TORCHRUN_SIGNALLED = re.compile(r"failed \(exitcode: -\d+\) local_rank: \d+ \(pid: (\d+)\)")
 # hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".
 _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
 

@@ -64,10 +64,9 @@ def srun_command(n: int, argv: list[str], *, backend: str,
 def mpich_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """MPICH's network settings for ranks srun starts, where the user has not set their own.
 
-    The wheel's MPICH would pick its UCX netmod, whose MPI_Init failed in about half the srun
-    runs measured here (UCX address exchange "Invalid parameter", truncated messages);
-    libfabric's tcp provider, which labavg's mpiexec path uses too, did not fail. Within one
-    node it stays on the loopback (LOOPBACK_MPICH_ENV).
+    The same libfabric tcp provider as labavg's mpiexec path, instead of the wheel's default
+    UCX netmod (whose MPI_Init failed here with "Invalid parameter"; see docs/cluster.md), and
+    within one node on the loopback (LOOPBACK_MPICH_ENV).
     """
     from labavg.comm.launchers import LOOPBACK_MPICH_ENV
 

@@ -7,7 +7,13 @@ STATE="${1:?usage: slurm-down.sh STATE_DIR}"
 [ -d "$STATE" ] || exit 0
 STATE="$(cd "$STATE" && pwd)"
 if [ -e "$STATE/slurmctld.pid" ] && [ -e "$STATE/slurm.conf" ]; then
-    SLURM_CONF="$STATE/slurm.conf" timeout 10 scancel --full --quiet --user="$(id -un)" 2>/dev/null
+    export SLURM_CONF="$STATE/slurm.conf"
+    timeout 10 scancel --full --quiet --user="$(id -un)" 2>/dev/null
+    # slurmd ends the jobs' processes: it must outlive them, or they are left behind.
+    for _ in $(seq 1 100); do
+        [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
+        sleep 0.2
+    done
 fi
 stop() {  # pid file: TERM, then KILL after 10 s
     local pid
