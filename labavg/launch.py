@@ -289,8 +289,12 @@ class JobRun:
             code = self._proc.wait()
             self._relay.join()
             lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
-            if code == 0 or not (lost or self._rank_said):
+            if code == 0 or not (lost or self._rank_said or self._errors):
                 sys.stderr.writelines(self._launcher_lines)
+            if code != 0 and any(e.startswith("labavg: error: watchdog:") for e in self._errors):
+                from labavg.watchdog import EXIT_WATCHDOG
+
+                code = EXIT_WATCHDOG  # torchrun exits 1 whatever its ranks' statuses were
             if code == 0:
                 sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
             elif not self._errors:
