@@ -198,3 +198,41 @@ def test_scancel_mid_run_leaves_no_rank_and_resume_matches(slurm, corpus, tmp_pa
                     "--no-progress"], slurm)
     assert resumed.returncode == 0, resumed.stderr
     _same_params(out, reference, 2)
+
+
+# -- examples/slurm/labavg-cluster.sbatch: engines in a job, a notebook attached -------------
+
+
+def test_cluster_example_engines_train_for_an_attached_notebook(slurm, corpus, tmp_path,
+                                                               monkeypatch):
+    """The example as shipped, with CPU settings on the command line (sbatch's flags override
+    its #SBATCH lines); the notebook side attaches and trains 2 ranks on its engines, which
+    give labavg's own mpiexec job's parameters."""
+    from dataclasses import replace
+
+    from labavg.cluster import Cluster
+    from labavg.launch import start_run
+    from test_train import small_config
+
+    env = {**slurm, "IPYTHONDIR": str(tmp_path / "ipython"), "LABAVG_REPO": str(REPO),
+           "LABAVG_FI_IFACE": "lo"}
+    done = _run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
+                 "--cpus-per-task=1", f"--output={tmp_path / 'cluster.log'}",
+                 str(REPO / "examples/slurm/labavg-cluster.sbatch")], env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    try:
+        security = tmp_path / "ipython" / "profile_labavg" / "security"
+        _wait_for(lambda: (security / f"cluster-{job}.json").is_file(), 120, "ipcluster")
+        monkeypatch.setenv("IPYTHONDIR", env["IPYTHONDIR"])  # where the notebook finds it
+        cluster = Cluster.attach(profile="labavg", cluster_id=job, device="cpu", timeout=180)
+        cfg = small_config(corpus, tmp_path / "engines", backend="mpi", ranks=2)
+        summary = start_run(cfg, cluster=cluster).wait(300)
+        cluster.shutdown()  # an attached cluster: disconnects, the job's engines stay
+        assert summary["ranks"] == 2
+        start_run(replace(cfg, out=str(tmp_path / "mpiexec")), launcher="job").wait(300)
+        _same_params(tmp_path / "engines", tmp_path / "mpiexec", 2)
+    finally:
+        _run(["scancel", job], slurm, timeout=30)
+    _wait_for(lambda: _job_gone(job, slurm) and _processes_of(Path(f"--cluster-id={job}")) == [],
+              60, "the cluster job to end")
