@@ -244,6 +244,7 @@ class JobRun:
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
         self._launcher_lines: list[str] = []
+        self._in_traceback = False
         self._rank_said: list[str] = []  # why a rank ended the job ("labavg: rank R failed: ...")
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
@@ -266,7 +267,7 @@ class JobRun:
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
             elif (_HYDRA_TRACE.match(line) or _SRUN_LINE.match(line)
-                  or self.cfg.backend == "torch"):
+                  or (self.cfg.backend == "torch" and self._torchrun_line(line))):
                 # torchrun's own log lines and its ChildFailedError traceback too; a worker
                 # it saw killed by a signal ("exitcode: -9") is a lost rank.
                 self._lost_pids.update(int(p) for p in _TORCHRUN_SIGNALLED.findall(line))
@@ -276,6 +277,13 @@ class JobRun:
                 continue
             sys.stderr.write(line)
             sys.stderr.flush()
+
+    def _torchrun_line(self, line: str) -> bool:
+        """Whether `line` is torchrun's: its log lines, and from a traceback on (its
+        ChildFailedError and failure report are the last it prints); a rank's own ends the
+        job through labavg's one line instead."""
+        self._in_traceback = self._in_traceback or line.startswith("Traceback ")
+        return self._in_traceback or bool(_TORCH_LOG.match(line))
 
     def _follow(self) -> None:
         try:
@@ -291,10 +299,10 @@ class JobRun:
             lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
             if code == 0 or not (lost or self._rank_said or self._errors):
                 sys.stderr.writelines(self._launcher_lines)
-            if code != 0 and any(e.startswith("labavg: error: watchdog:") for e in self._errors):
-                from labavg.watchdog import EXIT_WATCHDOG
-
-                code = EXIT_WATCHDOG  # torchrun exits 1 whatever its ranks' statuses were
+            if code != 0 and self._errors:
+                # What the ranks said decides: torchrun exits 1, and srun reports the peers it
+                # killed (137), whatever status the rank that ended the job chose.
+                code = _status_of(self._errors)
             if code == 0:
                 sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
             elif not self._errors:
@@ -343,6 +351,7 @@ _HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please s
                 "application called MPI_Abort")
 # How a failed rank's line ends under each launcher: the closing line says what happened next.
 _ENDING_THE_JOB = re.compile(r"; (exiting so torchrun ends the job|aborting all \d+ MPI ranks)$")
+_TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch's glog-style lines
 _TORCHRUN_SIGNALLED = re.compile(r"failed \(exitcode: -\d+\) local_rank: \d+ \(pid: (\d+)\)")
 # hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".
 _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
@@ -356,6 +365,14 @@ def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
         return ""
     ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
     return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
+
+
+def _status_of(errors: list[str]) -> int:
+    """Exit status of a job whose ranks printed `errors`: 3 (the watchdog), else 2 (a user
+    error: every other 'labavg: error:' line a rank prints is one)."""
+    from labavg.watchdog import EXIT_WATCHDOG
+
+    return EXIT_WATCHDOG if any(e.startswith("labavg: error: watchdog:") for e in errors) else 2
 
 
 def _srun_lost(lines: list[str]) -> str:

@@ -22,6 +22,7 @@ import torch
 from labavg import checkpoint
 from labavg.slurm import mpich_env
 
+from test_reliability import poisoned_corpus  # noqa: F401 - a fixture
 from test_train import SMALL, final_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +147,19 @@ def test_launcher_slurm_names_a_lost_rank_and_leaves_none(slurm, corpus, tmp_pat
     assert not any(line.startswith(("srun:", "slurmstepd")) for line in done.stderr.splitlines())
     assert not (out / "summary.json").exists() and not (out / ".launch.json").exists()
     assert _processes_of(out) == []
+
+
+def test_launcher_slurm_user_error_met_by_one_rank_is_one_line_exit_2(slurm, poisoned_corpus,
+                                                                      tmp_path):
+    """Rank 1 meets a NaN mid-run and aborts with status 2; srun reports the peer it killed
+    (137), but the job's status is the rank's: 2, as under mpiexec."""
+    data, victim = poisoned_corpus
+    done = _run(["salloc", "--ntasks", "2", "--quiet", sys.executable,
+                 *_train(data, tmp_path / "run", 2, "--launcher", "slurm")], slurm)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("labavg: error: rank 1: "), done.stderr
+    assert victim in lines[0] and "NaN or Inf" in lines[0]
 
 
 # -- sbatch: a job script, and scancel in the middle of one -----------------------------------
