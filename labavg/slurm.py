@@ -64,9 +64,9 @@ def srun_command(n: int, argv: list[str], *, backend: str,
 def mpich_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """MPICH's network settings for ranks srun starts, where the user has not set their own.
 
-    The same libfabric tcp provider as labavg's mpiexec path, instead of the wheel's default
-    UCX netmod (whose MPI_Init failed here with "Invalid parameter"; see docs/cluster.md), and
-    within one node on the loopback (LOOPBACK_MPICH_ENV).
+    The same libfabric tcp provider as labavg's mpiexec path (LOOPBACK_MPICH_ENV: within one
+    node its listeners stay on the loopback, docs/cluster.md "Listening sockets"), instead of
+    the wheel's default UCX netmod, so that srun's ranks talk as mpiexec's do.
     """
     from labavg.comm.launchers import LOOPBACK_MPICH_ENV
 

@@ -27,7 +27,7 @@ fi
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 CTLD_PORT="$(free_port)"; SLURMD_PORT="$(free_port)"
 NODE="$(hostname -s)"
-# MPICH names its shared-memory segment after the PMI job id (SLURM_JOB_ID.STEP): clusters that
+# MPICH's shared-memory segments appear to be keyed by the PMI job id (SLURM_JOB_ID.STEP): clusters that
 # all start at job 1 (every test session's) would meet each other's segments, live or left in
 # /dev/shm by a killed job, and MPI_Init hangs or mixes messages. A real cluster never reuses ids.
 FIRST_JOB=$(( $(od -An -N4 -tu4 /dev/urandom) % 60000000 + 1000 ))
