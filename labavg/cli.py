@@ -44,6 +44,8 @@ def _add_train_parser(sub) -> None:
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
     p.add_argument("--hosts", help="MPI host list (h1,h2 or h1:4,h2:4) when starting mpiexec")
+    p.add_argument("--launcher", choices=["slurm"], help="slurm: start the ranks with srun in "
+                   "this Slurm allocation (salloc, sbatch) instead of mpiexec on this machine")
     p.add_argument("--allow-pipes", action="store_true",
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
@@ -253,7 +255,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         try:
             summary = start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
-                                hosts=args.hosts, progress=progress).wait()
+                                hosts=args.hosts, progress=progress,
+                                launcher=args.launcher).wait()
         except JobFailed as exc:  # its ranks have said why
             return exc.code
     if summary is not None and not args.config_json:  # a rank labavg started: its parent says it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -172,3 +174,96 @@ def test_checkpoint_killed_mid_save_is_never_half_written(tmp_path):
         state = checkpoint.load_rank_state(tmp_path, step, 0)
         assert state["step"] == step
         assert torch.equal(state["params"], torch.full((2_000_000,), float(step)))
+
+
+# -- the faults that went unseen (issue 24): each ends in one line, in the watchdog's time ----
+
+
+def _events(run_dir: Path) -> list[dict]:
+    try:
+        return read_events(run_dir)
+    except (OSError, UserError, ValueError):
+        return []  # not written yet, or a line being written
+
+
+def _until_step(proc: subprocess.Popen, run_dir: Path, rank: int, step: int,
+                timeout: float = 120) -> float:
+    """Wait until `rank` logged `step` (monotonic time then); fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(e["rank"] == rank and e.get("step", 0) >= step for e in _events(run_dir)):
+            return time.monotonic()
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"rank {rank} never logged step {step}: {proc.communicate()[1][-2000:]}")
+
+
+def _train_cli(corpus: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PYTHON, "-m", "labavg", "train", "--data", str(corpus), "--ranks", "2", *SMALL,
+         "--out", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_inproc_hang_ends_within_the_watchdogs_time(corpus, tmp_path):
+    """A hung in-process worker used to cost the watchdog's time twice (250 s at the default
+    120 s): once for the collective, once more waiting for the hung thread to finish."""
+    limit = 20
+    proc = _train_cli(corpus, tmp_path / "run", "--epochs", "3", "--set",
+                      'inject_fault="hang@rank1:step20"', "--set", f"watchdog_seconds={limit}")
+    hung = _until_step(proc, tmp_path / "run", 1, 20)
+    _, stderr = proc.communicate(timeout=4 * limit)
+    # limit, the 5 s confirmation, 5 s for the others to end, and slack for a busy machine
+    assert time.monotonic() - hung < limit + 17, time.monotonic() - hung
+    assert proc.returncode == 3, stderr
+    assert stderr.strip().splitlines() == [stderr.strip()]
+    assert stderr.startswith("labavg: error: watchdog: rank(s) [1] did not reach")
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_torchrun_stopped_rank_ends_the_job_in_one_line(corpus, tmp_path):
+    """A SIGSTOPped rank ignores the SIGTERM torchrun sends once its peer's watchdog exits;
+    torchrun used to wait 30 s more, then end with its own traceback and exit status 1."""
+    out, limit = tmp_path / "run", 5
+    proc = _train_cli(corpus, out, "--backend", "torch", "--epochs", "300",
+                      "--set", f"watchdog_seconds={limit}")
+    _until_step(proc, out, 1, 3)
+    victim = next(e["pid"] for e in _events(out) if e["type"] == "run_started" and e["rank"] == 1)
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert time.monotonic() - stopped < limit + 5 + 20  # was over limit + 5 + 30
+    assert proc.returncode == 3, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"rank 1 (pid {victim} on " in lines[0] and "silent" in lines[0], stderr
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+
+
+def test_torchrun_rank_that_raises_is_one_line_naming_it(corpus, tmp_path):
+    proc = _train_cli(corpus, tmp_path / "run", "--backend", "torch", "--epochs", "3",
+                      "--set", 'inject_fault="raise@rank1:step5"')
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode not in (0, 2, 3), stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr  # torch's ChildFailedError traceback used to follow
+    assert lines[0].startswith("labavg: error: rank 1 failed: RuntimeError: injected fault on "
+                               "rank 1 at step 5"), lines[0]
+    assert "rank 1 last event at step 5" in lines[0]
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("content, kind", [("[1, 2]", "list"), ('"done"', "str"), ("null", "NoneType")])
+def test_info_of_a_summary_that_is_not_an_object_is_one_line(tmp_path, content, kind):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "summary.json").write_text(content)
+    proc = _cli("info", str(run))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"labavg: error: {run / 'summary.json'}: not a labavg summary "
+                                   f"(a JSON {kind}, expected an object)")
+    assert proc.stdout == ""

@@ -219,43 +219,32 @@ def iterate_inproc(
     left behind (a daemon) once the others have ended and `timeout` more seconds have passed.
     """
     comms = _communicators(size, timeout)
-    grace = timeout if timeout else None
     drain = 5.0 if timeout else None  # aborted ranks end at once; only a hung one stays
+    # After a failure the group is broken: the other ranks raise at their next collective.
+    # Waiting `timeout` again for a hung one doubled the watchdog's time (250 s at 120).
+    grace = min(timeout, drain) if timeout else None
     group = comms[0].group
     items: queue.Queue = queue.Queue(maxsize=max_queued)
     stop = threading.Event()
 
     def work(rank: int) -> None:
-        outcome = _Finished(rank, None)
-        try:
-            gen = gen_fn(comms[rank], *args)
-            try:
-                for item in _until(stop, gen):
-                    items.put(item)
-            finally:
-                # Runs the rank's own finally blocks when it is stopped mid-stream.
-                gen.close()
-        except BaseException as exc:  # noqa: BLE001 - reported to the consumer's thread
-            if not (stop.is_set() and isinstance(exc, GroupAborted)):
-                outcome = _Finished(rank, exc)
-        # Always reached, so the consumer's count of finished ranks cannot fall short.
-        if outcome.exc is None:
-            group.depart(rank)
-        else:
-            group.abort(f"rank {rank} raised {type(outcome.exc).__name__}: {outcome.exc}")
-        items.put(outcome)
+        _run_rank(rank, comms[rank], gen_fn, args, stop, items)
 
     threads = _start(size, work)
     finished = 0
+    ended: set[int] = set()  # ranks that reported back (the rest are hung, or still going)
+    hung = False
     failures: list[tuple[int, BaseException]] = []
     try:
         while finished < size:
             try:
                 item = items.get(timeout=grace if failures else None)
             except queue.Empty:
-                break  # a hung rank never finishes: report the others' failure without it
+                hung = True  # a hung rank never finishes: report the others' failure without it
+                break
             if isinstance(item, _Finished):
                 finished += 1
+                ended.add(item.rank)
                 if item.exc is not None:
                     failures.append((item.rank, item.exc))
                     stop.set()
@@ -269,13 +258,42 @@ def iterate_inproc(
             # Closed early or interrupted: stop the ranks, then drain so none blocks on put().
             stop.set()
             group.abort("the consumer stopped iterating")
-            while finished < size:
+            while finished < size and not hung:
                 try:
-                    finished += isinstance(items.get(timeout=drain), _Finished)
+                    item = items.get(timeout=drain)
                 except queue.Empty:
                     break
-        for thread in threads:
-            thread.join(timeout=drain)
+                if isinstance(item, _Finished):
+                    finished += 1
+                    ended.add(item.rank)
+        for rank, thread in enumerate(threads):
+            # A rank that never reported back is hung: joining it would only add `drain`.
+            if rank in ended:
+                thread.join(timeout=drain)
+
+
+def _run_rank(rank: int, comm: InProcCommunicator, gen_fn: Callable[..., Iterator[Any]],
+              args: tuple, stop: threading.Event, items: queue.Queue) -> None:
+    """One rank's thread of `iterate_inproc`: its items into `items`, then its _Finished."""
+    group = comm.group
+    outcome = _Finished(rank, None)
+    try:
+        gen = gen_fn(comm, *args)
+        try:
+            for item in _until(stop, gen):
+                items.put(item)
+        finally:
+            # Runs the rank's own finally blocks when it is stopped mid-stream.
+            gen.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the consumer's thread
+        if not (stop.is_set() and isinstance(exc, GroupAborted)):
+            outcome = _Finished(rank, exc)
+    # Always reached, so the consumer's count of finished ranks cannot fall short.
+    if outcome.exc is None:
+        group.depart(rank)
+    else:
+        group.abort(f"rank {rank} raised {type(outcome.exc).__name__}: {outcome.exc}")
+    items.put(outcome)
 
 
 def _until(stop: threading.Event, gen: Iterator[Any]) -> Iterator[Any]:

@@ -60,6 +60,7 @@ class Watchdog:
         self._suspended = False  # the main thread is in the consumer's code, not the trainer's
         self._count = 0
         self._peers: dict[int, tuple[Any, float]] = {}  # rank -> (last count seen, when it changed)
+        self._silent: list[dict[str, Any]] = []  # heartbeats of the peers last found silent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="labavg-watchdog", daemon=True)
 
@@ -144,6 +145,7 @@ class Watchdog:
             return (f"rank {self.comm.rank} waited {now - since:.0f} s in {collective} at step "
                     f"{step}; the other ranks did not arrive (watchdog_seconds = {self.limit:g})")
         silent = [(r, info) for r, (info, stale) in sorted(peers.items()) if stale > self.limit]
+        self._silent = [info for _, info in silent if isinstance(info, dict)]
         if silent:
             names = ", ".join(
                 f"rank {r}" + (f" (pid {info['pid']} on {info['host']}, last step {info['step']})"
@@ -195,7 +197,23 @@ class Watchdog:
 
     def _end(self, reason: str) -> None:
         print(f"labavg: error: watchdog: {reason}; ending the job", file=sys.stderr, flush=True)
+        _kill_frozen(self._silent)
         self.comm.abort(reason, EXIT_WATCHDOG, quiet=True)
+
+
+def _kill_frozen(silent: list[dict[str, Any]]) -> None:
+    """SIGKILL the silent peers on this host: a stopped process ignores the SIGTERM that
+    torchrun sends when a rank exits, and torchrun waits 30 s more before its SIGKILL."""
+    import signal
+
+    here = socket.gethostname()
+    for info in silent:
+        pid = info.get("pid")
+        if info.get("host") == here and isinstance(pid, int) and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # already gone, or not ours
 
 
 def _read_json(path: Path) -> Any:

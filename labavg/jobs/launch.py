@@ -33,10 +33,11 @@ from typing import Any, Protocol
 from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
+from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
 STOP_FILE = ".stop"
-LAUNCHERS = ("threads", "job", "engines")
+LAUNCHERS = ("threads", "job", "engines", "slurm")
 _POLL_SECONDS = 0.05
 
 
@@ -84,9 +85,9 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
         if cwd is not None:
             raise UserError("cwd needs processes: a thread cannot have a working directory of its own")
         return ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress)
-    if launcher == "job":
+    if launcher in ("job", "slurm"):  # slurm: srun in this allocation instead of mpiexec
         return JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts, progress=progress,
-                      cwd=cwd)
+                      cwd=cwd, slurm=launcher == "slurm")
     if launcher == "engines":
         return EnginesRun(cfg, resume=resume, cluster=cluster)
     raise UserError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
@@ -174,9 +175,18 @@ def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
     return cfg, bool(values.get("resume")), values.get("stop_file")
 
 
-def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None) -> list[str]:
-    """The command running `python *argv` as the job's ranks: mpiexec, torchrun, or plain."""
+def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None,
+                slurm: bool = False) -> list[str]:
+    """The command running `python *argv` as the job's ranks: mpiexec, torchrun, srun, or plain."""
     from labavg.comm.launchers import mpiexec_command, torchrun_command
+
+    if slurm:
+        from labavg.jobs.slurm import srun_command
+
+        if hosts:
+            raise UserError("--hosts is for mpiexec; under --launcher slurm the allocation "
+                            "says which nodes run the ranks")
+        return srun_command(cfg.ranks, argv, backend=cfg.backend)
 
     if cfg.backend == "mpi":
         return mpiexec_command(cfg.ranks, argv, hosts=hosts)
@@ -195,7 +205,8 @@ class JobRun:
     """
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
-                 hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None):
+                 hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None,
+                 slurm: bool = False):
         from labavg.jobs.index import EVENTS, EventTail
         from labavg.jobs.run_dir import LOCK_HELD_ENV, run_dir_lock
         from labavg.jobs.runs import preflight
@@ -227,7 +238,7 @@ class JobRun:
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             env = {**os.environ, LOCK_HELD_ENV: str(self.run_dir.resolve()), "PYTHONPATH": path}
             self._proc = subprocess.Popen(
-                job_command(cfg, argv, hosts=hosts), stdout=subprocess.PIPE,
+                job_command(cfg, argv, hosts=hosts, slurm=slurm), stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                 preexec_fn=_end_with_parent if sys.platform == "linux" else None)
         except BaseException:
@@ -236,6 +247,8 @@ class JobRun:
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
         self._launcher_lines: list[str] = []
+        self._in_traceback = False
+        self._rank_said: list[str] = []  # why a rank ended the job ("labavg: rank R failed: ...")
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
         self._relay.start()
@@ -250,15 +263,30 @@ class JobRun:
                 if message in self._errors:
                     continue
                 self._errors.append(message)
+            elif line.startswith("labavg: rank "):
+                # Folded into the job's one closing line, with where each rank got to.
+                self._rank_said.append(_ENDING_THE_JOB.sub("", line.strip()[len("labavg: "):]))
+                continue
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
-            elif _HYDRA_TRACE.match(line):
+            elif (_HYDRA_TRACE.match(line) or _SRUN_LINE.match(line)
+                  or (self.cfg.backend == "torch" and self._torchrun_line(line))):
+                # torchrun's own log lines and its ChildFailedError traceback too; a worker
+                # it saw killed by a signal ("exitcode: -9") is a lost rank.
+                self._lost_pids.update(int(p) for p in _TORCHRUN_SIGNALLED.findall(line))
                 # Across hosts, the proxies and mpiexec trace how they noticed a lost process;
                 # held back, and shown only if labavg cannot say which rank was lost.
                 self._launcher_lines.append(line)
                 continue
             sys.stderr.write(line)
             sys.stderr.flush()
+
+    def _torchrun_line(self, line: str) -> bool:
+        """Whether `line` is torchrun's: its log lines, and from a traceback on (its
+        ChildFailedError and failure report are the last it prints); a rank's own ends the
+        job through labavg's one line instead."""
+        self._in_traceback = self._in_traceback or line.startswith("Traceback ")
+        return self._in_traceback or bool(_TORCH_LOG.match(line))
 
     def _follow(self) -> None:
         try:
@@ -271,12 +299,19 @@ class JobRun:
                 sys.stdout.flush()
             code = self._proc.wait()
             self._relay.join()
-            lost = _lost_ranks(self.run_dir, self._lost_pids)
-            if code == 0 or not lost:
+            lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
+            if code == 0 or not (lost or self._rank_said or self._errors):
                 sys.stderr.writelines(self._launcher_lines)
-            if code != 0 and not self._errors:
-                print(f"labavg: error: the {_job_kind(self.cfg)} job failed (exit status {code}); "
-                      f"{lost}{_last_steps(self.run_dir)}", file=sys.stderr)
+            if code != 0 and self._errors:
+                # What the ranks said decides: torchrun exits 1, and srun reports the peers it
+                # killed (137), whatever status the rank that ended the job chose.
+                code = _status_of(self._errors)
+            if code == 0:
+                sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
+            elif not self._errors:
+                said = "".join(f"{s}; " for s in self._rank_said[:1])
+                print(f"labavg: error: {said}the {_job_kind(self.cfg)} job failed (exit status "
+                      f"{code}); {lost}{_last_steps(self.run_dir)}", file=sys.stderr)
             self.code = code
         finally:
             self._held.close()
@@ -317,6 +352,10 @@ def _end_with_parent() -> None:
 # What hydra and MPICH print about a failed job, which labavg's own message replaces.
 _HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please see the FAQ",
                 "application called MPI_Abort")
+# How a failed rank's line ends under each launcher: the closing line says what happened next.
+_ENDING_THE_JOB = re.compile(r"; (exiting so torchrun ends the job|aborting all \d+ MPI ranks)$")
+_TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch's glog-style lines
+_TORCHRUN_SIGNALLED = re.compile(r"failed \(exitcode: -\d+\) local_rank: \d+ \(pid: (\d+)\)")
 # hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".
 _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
 
@@ -329,6 +368,21 @@ def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
         return ""
     ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
     return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
+
+
+def _status_of(errors: list[str]) -> int:
+    """Exit status of a job whose ranks printed `errors`: 3 (the watchdog), else 2 (a user
+    error: every other 'labavg: error:' line a rank prints is one)."""
+    from labavg.comm.watchdog import EXIT_WATCHDOG
+
+    return EXIT_WATCHDOG if any(e.startswith("labavg: error: watchdog:") for e in errors) else 2
+
+
+def _srun_lost(lines: list[str]) -> str:
+    """'rank R was lost; ' for each task srun reported ended badly (none under mpiexec)."""
+    from labavg.jobs.slurm import ended_tasks
+
+    return "".join(f"rank {r} was lost; " for r in ended_tasks(lines))
 
 
 def _last_steps(run_dir: Path) -> str:

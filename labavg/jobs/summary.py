@@ -20,11 +20,15 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json of a finished run; UserError naming the path otherwise."""
     path = Path(run_dir) / SUMMARY
     try:
-        return json.loads(path.read_text())
+        summary = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(summary, dict):
+        raise UserError(f"{path}: not a labavg summary (a JSON {type(summary).__name__}, "
+                        f"expected an object)")
+    return summary
 
 
 def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
