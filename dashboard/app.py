@@ -22,7 +22,9 @@ if __name__.startswith("bokeh"):
 
 import panel as pn  # noqa: E402
 
-from dashboard.components import LivePlots, RunControls, RunsView, SettingsPanel  # noqa: E402
+from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
+from dashboard.live_view import LivePlots  # noqa: E402
+from dashboard.runs_view import RunsView  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402

@@ -16,7 +16,7 @@ import holoviews as hv
 import pandas as pd
 import panel as pn
 
-from dashboard.components import load_backend
+from dashboard.plots import load_backend
 from labavg.config import TrainConfig, check_setting, validate, with_overrides
 from labavg.errors import UserError
 from labavg.runs import format_table, read_events, run_training

@@ -16,7 +16,8 @@ import pytest
 # dashboard/ sits beside labavg/ but is not (yet) an installed package: import it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboard.live import LiveRun, RankSeries, RunBuffers
+from dashboard.buffers import RankSeries, RunBuffers
+from dashboard.live import LiveRun
 from dashboard.runs_table import RunTable
 from dashboard.settings import (
     BACKEND_LABELS,
@@ -257,7 +258,7 @@ def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, cor
     pytest.importorskip("holoviews")
     import holoviews as hv
 
-    from dashboard.components import LivePlots
+    from dashboard.live_view import LivePlots
 
     _, (_, three) = finished_runs
     live = LiveRun()
@@ -382,7 +383,7 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
 
 
 def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
-    from dashboard.components import communication_plot, load_backend
+    from dashboard.plots import communication_plot, load_backend
 
     load_backend()
     runs, (one, three) = finished_runs
@@ -476,7 +477,7 @@ def test_buffers_are_bounded():
 
 def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     pytest.importorskip("holoviews")
-    from dashboard.components import LivePlots
+    from dashboard.live_view import LivePlots
 
     _, (_, three) = finished_runs
     live = LiveRun(maxlen=10)
