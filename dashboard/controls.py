@@ -19,6 +19,7 @@ SETTINGS_ORDER = ("backend", "ranks", "average_every", "averaging", "momentum", 
 _ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
 # Markdown's paragraph margins would leave a blank line under every message.
 _ERROR_SHEET = ["p { margin: 0; }"]
+_WARNING_COLOR = "#8a5300"  # amber: the run may start, but read this first
 
 
 class SettingsPanel(pn.viewable.Viewer):
@@ -32,46 +33,69 @@ class SettingsPanel(pn.viewable.Viewer):
         return settings_panel(self.settings)
 
 
-def _widget_type(parameter: param.Parameter) -> type:
+def _number_text(value: Any) -> str:
+    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def number_box(settings: RunSettings, name: str, placeholder: str = "") -> pn.widgets.TextInput:
+    """A text box for number setting `name`: what is typed is judged as typed
+    (`RunSettings.type_text`), so "0,01" or "abc" are refused beside it instead of the
+    browser's number box quietly making them 1 or nothing; a preset's value shows in it."""
+    box = pn.widgets.TextInput(name=settings.label(name), placeholder=placeholder,
+                               value=_number_text(getattr(settings, name)))
+    box.param.watch(lambda e: settings.type_text(name, e.new), "value_input")
+
+    def follow(event: param.parameterized.Event) -> None:
+        # Only a value the box's text does not already say: typing "0." must stay "0.".
+        try:
+            shown = float(box.value_input or box.value) if (box.value_input or box.value) else None
+        except ValueError:
+            shown = object()
+        if shown != event.new and name not in settings.typed:
+            box.param.update(value=_number_text(event.new), value_input=_number_text(event.new))
+
+    settings.param.watch(follow, name)
+    return box
+
+
+def _widget(settings: RunSettings, name: str) -> pn.widgets.Widget:
+    parameter = settings.param[name]
     if isinstance(parameter, param.Selector):
-        return pn.widgets.Select
-    if isinstance(parameter, param.Integer):
-        return pn.widgets.IntInput
+        # Widget.from_param links both ways: a preset that sets a parameter shows in its box.
+        return pn.widgets.Select.from_param(parameter)
     if isinstance(parameter, param.Number):
-        return pn.widgets.FloatInput
-    return pn.widgets.TextInput
+        return number_box(settings, name, "0.01 × lr" if name == "final_lr" else "")
+    box = pn.widgets.TextInput.from_param(parameter)
+    # Checked as typed: a path is judged on each keystroke, not when the box loses focus.
+    box.param.watch(lambda e: setattr(settings, name, e.new), "value_input")
+    return box
+
+
+def _message_pane(name: str) -> pn.pane.Markdown:
+    return pn.pane.Markdown("", visible=False, sizing_mode="stretch_width", margin=(0, 8, 4, 8),
+                            styles=_ERROR_STYLE, stylesheets=_ERROR_SHEET,
+                            css_classes=["labavg-error"], name=f"error-{name}")
 
 
 def settings_panel(settings: RunSettings) -> pn.Column:
-    """The controls, two to a row (so they fit at 1366x768), number boxes instead of sliders;
-    under each, what is wrong with its value (RunSettings.errors), shown only when something is."""
+    """The controls, two to a row (so they fit at 1366x768), typed boxes instead of sliders;
+    under each, what is wrong with its value (RunSettings.errors, red) or what to know about
+    it (RunSettings.warnings, amber), shown only when there is something to say."""
     names = ("preset", *SETTINGS_ORDER, "data", "runs_dir")
-    # Number boxes instead of sliders, with steps and formats that suit each setting.
-    options = {
-        "momentum": {"step": 0.05, "format": "0.[0000]"},
-        "lr": {"step": 0.001, "format": "0.[00000]"},
-        "final_lr": {"step": 0.0001, "format": "0.[000000]", "placeholder": "0.01 × lr"},
-    }
-    # Widget.from_param links both ways: a preset that sets a parameter shows in its box.
-    # (pn.Param(...).widget(name) makes a fresh widget that follows the box, not the parameter.)
-    widgets = {name: _widget_type(settings.param[name]).from_param(
-        settings.param[name], **options.get(name, {})) for name in names}
-    for name in ("data", "runs_dir"):
-        # Checked as typed: a path is judged on each keystroke, not when the box loses focus.
-        widgets[name].param.watch(lambda e, name=name: setattr(settings, name, e.new), "value_input")
-    messages = {name: pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
-                                       margin=(0, 8, 4, 8), styles=_ERROR_STYLE,
-                                       stylesheets=_ERROR_SHEET, css_classes=["labavg-error"],
-                                       name=f"error-{name}")
-                for name in names}
+    widgets = {name: _widget(settings, name) for name in names}
+    messages = {name: _message_pane(name) for name in names}
 
-    def show(errors: dict[str, str]) -> None:
+    def show(*_: Any) -> None:
         for name, pane in messages.items():
-            text = errors.get(name, "")
-            pane.param.update(object=text.replace("*", "\\*").replace("_", "\\_"), visible=bool(text))
+            error, warning = settings.errors.get(name, ""), settings.warnings.get(name, "")
+            text = error or warning
+            pane.param.update(object=text.replace("*", "\\*").replace("_", "\\_"),
+                              visible=bool(text),
+                              styles={**_ERROR_STYLE, "color": "#b00020" if error else _WARNING_COLOR},
+                              css_classes=["labavg-error" if error else "labavg-warning"])
 
-    settings.param.watch(lambda e: show(e.new), "errors")
-    show(settings.errors)
+    settings.param.watch(show, ["errors", "warnings"])
+    show()
 
     def enable(*_: Any) -> None:
         # A box the chosen method or payload has no use for is greyed out, not hidden.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import queue
 import threading
 import time
@@ -74,6 +76,7 @@ class LiveRun(param.Parameterized):
         self._job: Job | None = None  # the server's run this page follows (started elsewhere)
         # The summary of the finished 1-rank run the run on screen is measured against.
         self.baseline: dict[str, Any] | None = None
+        self.load: float | None = None  # the load average as the run on screen started
 
     # -- starting and stopping -------------------------------------------------------------
 
@@ -129,7 +132,7 @@ class LiveRun(param.Parameterized):
 
     def speedup(self) -> Speedup:
         """The run on screen's speedup against its 1-rank baseline, and the cost model's."""
-        return live_speedup(self.buffers, self.config, self.baseline)
+        return live_speedup(self.buffers, self.config, self.baseline, self._summary, self.load)
 
     def stop(self) -> None:
         """Ask the run to stop at its next averaging round (all ranks stop together)."""
@@ -158,6 +161,8 @@ class LiveRun(param.Parameterized):
         self._stop = threading.Event()
         self._summary = None
         self.baseline = None
+        # The load average as the run starts (summary.json records the trainer's own).
+        self.load: float | None = os.getloadavg()[0] if mode == "live" else None
         self.error = ""
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
@@ -244,6 +249,10 @@ class LiveRun(param.Parameterized):
         if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:
             self.running = False
             self.mode = "idle"
+            try:
+                self._summary = json.loads((run_dir / SUMMARY).read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
             word = "Stopped" if self.buffers.finished.get("stopped") else "Finished"
             self.status = f"{word}: {run_dir.name} — {_finish_text(self.buffers.finished)}"
 
@@ -304,5 +313,7 @@ class LiveRun(param.Parameterized):
 def _finish_text(finished: dict[str, Any]) -> str:
     if not finished:
         return "no summary"
-    return (f"step {finished.get('step')}, CV frame accuracy {100 * finished.get('cv_frame_accuracy', 0):.1f}%, "
-            f"{finished.get('wall_seconds', 0):.1f} s")
+    accuracy = finished.get("cv_frame_accuracy")
+    cv = ("no CV (stopped before the first epoch's end)"
+          if accuracy is None or math.isnan(accuracy) else f"CV frame accuracy {100 * accuracy:.1f}%")
+    return f"step {finished.get('step')}, {cv}, {finished.get('wall_seconds', 0):.1f} s"

@@ -30,27 +30,24 @@ _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
 _SETTLE_TICKS = 3  # updates to wait after replacing the plots before streaming into them
 
 
-def speedup_text(speedup: Speedup, summary: dict[str, Any] | None = None) -> str:
-    """One or two lines on the Live tab: the speedup as measured so far and the prediction."""
+def speedup_text(speedup: Speedup) -> str:
+    """One or two lines on the Live tab: the speedup (the runs table's number) and the prediction."""
     if speedup.speedup is not None:
         head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
                 f"— {speedup.frames_per_second:,.0f} frames/s on {speedup.ranks} ranks vs "
                 f"{speedup.baseline_frames_per_second:,.0f} on 1-rank run `{speedup.baseline_name}` "
                 "(training time; any K, lr, epochs).")
+        if speedup.warning:
+            head += f" **{speedup.warning}.**"
     elif speedup.note:
         head = f"**Speedup: -** {speedup.note}"
     else:
         head = "**Speedup: -**"
-    more = []
     predicted = dict(speedup.predicted)
     if predicted:
         shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in (8, 32) if p in predicted)
-        more.append(f"Cost model ({PREDICTION_NETWORK.name}, a rank per machine, K={speedup.K}, "
-                    f"{speedup.predicted_from}'s costs): {shown} ranks.")
-    if summary and summary.get("speedup") is not None:
-        more.append(f"Wall time with start-up and CV (labavg info): {summary['speedup']:.2f}×.")
-    if more:
-        head += "  \n" + " ".join(more)
+        head += (f"  \nCost model ({PREDICTION_NETWORK.name}, a rank per machine, K={speedup.K}, "
+                 f"{speedup.predicted_from}'s costs): {shown} ranks.")
     return head
 
 
@@ -156,7 +153,7 @@ class LivePlots(pn.viewable.Viewer):
         if speedup != self._speedup_shown:
             self._speedup_shown = speedup
             self.speedup.show(speedup)
-        text = speedup_text(speedup, self.live.summary)
+        text = speedup_text(speedup)
         if text != self.speedup_line.object:
             self.speedup_line.object = text
 

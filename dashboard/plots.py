@@ -37,9 +37,22 @@ _LEGEND = {"label_text_font_size": "8pt", "glyph_height": 12, "glyph_width": 16,
 
 
 def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, Any]:
+    # No active wheel zoom: the mouse wheel over a plot scrolls the page (the zoom stays in
+    # the toolbar, one click away).
     return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
-                show_grid=True, toolbar="above", legend_opts=_LEGEND,
+                show_grid=True, toolbar="above", legend_opts=_LEGEND, active_tools=["pan"],
                 **{"framewise": False, **extra})
+
+
+# What hover tooltips call the columns (not their names in the data, like mb_sent).
+DIMENSIONS = {name: hv.Dimension(name, label=label) for name, label in {
+    "mb_sent": "MB sent per rank", "cv_acc_pct": "CV frame accuracy (%)", "wer_pct": "WER (%)",
+    "speedup": "speedup (×)", "efficiency": "efficiency (%)", "baseline": "1-rank baseline",
+    "run": "run", "K": "K", "ranks": "ranks"}.items()}
+
+
+def _dims(*names: str) -> list[hv.Dimension]:
+    return [DIMENSIONS[name] for name in names]
 
 
 def count_axis() -> dict[str, Any]:
@@ -191,24 +204,24 @@ class SpeedupPlot:
 
 def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
     """Speedup and parallel efficiency vs number of ranks of the finished runs, with the ideal."""
-    frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run"])
+    frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run", "baseline"])
     top = max([2, *frame["ranks"].tolist()])
     xs = list(range(1, top + 1))
     ranks_axis = {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0), "xlim": (0.5, top + 0.5)}
     ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(color="gray", line_dash="dashed")
-    speedup = hv.Scatter(frame, "ranks", ["speedup", "K", "run"], label="runs").opts(
+    speedup = hv.Scatter(frame, "ranks", _dims("speedup", "K", "run", "baseline"), label="runs").opts(
         size=9, color="#1f77b4", tools=["hover"])
     ideal_eff = hv.Curve((xs, [100.0] * len(xs)), "ranks", "efficiency", label="ideal").opts(
         color="gray", line_dash="dashed")
     efficiency = hv.Scatter(frame.assign(efficiency=100 * frame["efficiency"].astype(float)), "ranks",
-                            ["efficiency", "K", "run"], label="runs").opts(
+                            _dims("efficiency", "K", "run", "baseline"), label="runs").opts(
         size=9, color="#ff7f0e", tools=["hover"])
     return (
-        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank (wall time)", "ranks",
-                                            "speedup (x faster than 1 rank)",
+        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank (frames/s)", "ranks",
+                                            "speedup (×)",
                                             legend_position="top_left", **ranks_axis))
         + (ideal_eff * efficiency).opts(**_plot_opts("Parallel efficiency", "ranks",
-                                                     "efficiency (% of ideal)",
+                                                     "efficiency (%)",
                                                      legend_position="bottom_left", ylim=(0, 110),
                                                      **ranks_axis))
     ).opts(shared_axes=False)
@@ -234,14 +247,19 @@ def communication_plot(points: list[dict[str, Any]],
         style = {"color": _PALETTE[kinds.index(sends) % len(_PALETTE)],
                  "marker": _MARKERS[ranks.index(n) % len(_MARKERS)], "size": 9, "tools": ["hover"]}
         label = f"{sends}, {n} ranks"
-        acc.append(hv.Scatter(group, "mb_sent", ["cv_acc_pct", "K", "run"], label=label).opts(**style))
+        acc.append(hv.Scatter(group, DIMENSIONS["mb_sent"], _dims("cv_acc_pct", "K", "run"),
+                              label=label).opts(**style))
         decoded = group.dropna(subset=["wer_pct"])
         if len(decoded):
-            wer.append(hv.Scatter(decoded, "mb_sent", ["wer_pct", "K", "run"], label=label).opts(**style))
+            wer.append(hv.Scatter(decoded, DIMENSIONS["mb_sent"], _dims("wer_pct", "K", "run"),
+                                  label=label).opts(**style))
     if not acc:
         acc = [hv.Scatter([], "mb_sent", "cv_acc_pct")]
+    wer_title = "WER vs bytes sent (decoded runs)"
     if not wer:
+        # Said in the title: an empty plot alone reads as a broken one.
         wer = [hv.Scatter([], "mb_sent", "wer_pct")]
+        wer_title = "WER: no decoded run yet (set decode_data to decode)"
     for layers, key in ((acc, "cv_acc_pct"), (wer, "wer_pct")):
         if one_rank and one_rank.get(key) is not None:
             layers.append(hv.HLine(one_rank[key]).opts(color="gray", line_dash="dashed"))
@@ -252,7 +270,7 @@ def communication_plot(points: list[dict[str, Any]],
         # Legends beside the plots: the points that sent the most sit at the right edge.
         hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",
                                           logx=True, legend_position="right", **ticks))
-        + hv.Overlay(wer).opts(**_plot_opts("WER vs bytes sent (decoded runs)", x, "WER (%)",
+        + hv.Overlay(wer).opts(**_plot_opts(wer_title, x, "WER (%)",
                                             logx=True, legend_position="right", **ticks))
     ).opts(shared_axes=False)
 

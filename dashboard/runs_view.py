@@ -28,8 +28,9 @@ NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
-TABLE_WIDTHS = {"run": 166, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
-                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90}
+TABLE_WIDTHS = {"run": 186, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
+                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90,
+                "baseline": 190, "speedup_note": 300}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
               ".tabulator .tabulator-cell, .tabulator .tabulator-col-title { font-size: 13px !important; }")
 _TABLE_MAX_HEIGHT = 250
@@ -80,9 +81,10 @@ class RunsView(pn.viewable.Viewer):
     def scaling_view(self) -> pn.Column:
         """Speedup and efficiency against ranks, of the runs with a 1-rank baseline."""
         return pn.Column(
-            pn.pane.Markdown("Speedup = wall time of a 1-rank run of the same model and data (any "
-                             "K) / wall time with N ranks, start-up and CV included, as `labavg "
-                             "info` shows it; efficiency = speedup / N.", margin=(8, 10)),
+            pn.pane.Markdown("Speedup = frames/s of the run (all ranks, training time) / frames/s "
+                             "of its 1-rank baseline (same model, data, minibatch; any K, lr, "
+                             "epochs), the Live tab's and the runs table's number; efficiency = "
+                             "speedup / N. Hover a point for its baseline.", margin=(8, 10)),
             self.scaling_note, self.scaling, sizing_mode="stretch_width",
         )
 

@@ -340,13 +340,14 @@ def train_rank(
             if avg.stop:
                 stopped = True
                 yield Message(rank=rank, step=step, text="stopped on request")
-            if end_of_epoch:
-                break
-            if run_dir is not None and (stopped or progress.rounds % cfg.checkpoint_every == 0):
+            # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
+            # after it (they took seconds on a class corpus), only the checkpoint to resume from.
+            if run_dir is not None and (stopped or (
+                    not end_of_epoch and progress.rounds % cfg.checkpoint_every == 0)):
                 yield save()
-            if stopped:
+            if stopped or end_of_epoch:
                 break
-        if stopped and not end_of_epoch:
+        if stopped:
             break
 
         # Epoch end: every rank holds the averaged model; evaluate it on the CV set.
@@ -373,7 +374,9 @@ def train_rank(
         if run_dir is not None:
             yield save()
 
-    if cv_step != progress.step:  # stopped mid-epoch or resumed at the end: CV of the final model
+    # Resumed at the end: CV of the final model. A stopped run keeps its last epoch's CV (NaN
+    # before the first epoch end): the user asked for the run to end now.
+    if cv_step != progress.step and not stopped:
         cv_loss, cv_acc = _global_cv(model, source, cv_keys, cfg, comm, device)
     yield RunFinished(
         rank=rank, step=progress.step, wall_seconds=wall_before + time.perf_counter() - wall_start,
