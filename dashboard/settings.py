@@ -235,12 +235,10 @@ class RunSettings(param.Parameterized):
             clipped = (self.optimizer == "ngsgd" or (self.overrides.get("max_param_change") or 0) > 0
                        or (self.overrides.get("max_change_per_sample") or 0) > 0)
             found["lr"] = (
-                f"learning rate {lr:g} is far above Kaldi's (0.0008 to 0.008 per frame): "
-                + ("max-change clips every update, so each minibatch moves the model by "
-                   "max_change whatever the rate; it may even score best, but the rate no "
-                   "longer sets the step." if clipped else
-                   "plain SGD has no max-change, so the updates blow up (non-finite ones are "
-                   "skipped)."))
+                f"learning rate {lr:g} is far above Kaldi's (0.0008 to 0.008): "
+                + ("max-change clips every update, so the rate no longer sets the step (such a "
+                   "run can even score best)." if clipped else
+                   "plain SGD has no max-change: the updates blow up."))
         return found
 
     def _update_errors(self) -> None:

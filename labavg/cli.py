@@ -22,11 +22,19 @@ from typing import Any
 
 from labavg.errors import PeerFailed, UserError, one_line, user_error_of
 
+def _default_of(flag: Any) -> Any:
+    from labavg.config import setting_field
+
+    f = setting_field(flag.key)
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
 def _add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train", help="train a DNN with periodic model averaging",
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from labavg.config import cli_flags
 
@@ -35,7 +43,9 @@ def _add_train_parser(sub) -> None:
         if flag.kind is bool:
             p.add_argument(flag.flag, dest=_dest(flag), action="store_true", help=flag.help)
         else:
-            p.add_argument(flag.flag, dest=_dest(flag), type=flag.kind, default=None, help=flag.help,
+            # The default shown, not set: None tells "not given" from a CONFIG file's value.
+            p.add_argument(flag.flag, dest=_dest(flag), type=flag.kind, default=None,
+                           help=f"{flag.help} (default: {_default_of(flag)})",
                            metavar=flag.flag[2:].upper().replace("-", "_"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
@@ -50,9 +60,20 @@ def _add_train_parser(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+EXAMPLES = """examples:
+  labavg corpus synth data/synth --hours 1          a 1-hour synthetic Kaldi data directory
+  labavg train --data data/synth --out runs/n1 --ranks 1
+  labavg train --data data/synth --out runs/n4 --ranks 4 --average-every 10
+  labavg info runs                                  every run under runs/ as one table
+  labavg dashboard --runs-dir runs                  http://localhost:5006/app
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `labavg` command."""
-    parser = argparse.ArgumentParser(prog="labavg", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="labavg", description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     corpus = sub.add_parser("corpus", help="built-in synthetic speech corpus")
@@ -161,7 +182,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite,
                       dev_hours=args.dev_hours, test_hours=args.test_hours)
-    print(f"wrote {args.out_dir}: {info}")
+    print(f"wrote {info.out_dir}: {info.hours:.2f} h of speech, {info.num_utts} utterances from "
+          f"{info.num_speakers} speakers, {info.num_frames:,} frames of {info.feat_dim} features, "
+          f"{info.num_phones} phones, {info.num_pdfs} pdfs (seed {info.seed}, "
+          f"{info.seconds_taken:.0f} s)")
     return 0
 
 
@@ -239,7 +263,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return exc.code
     if summary is not None and not args.config_json:  # a rank labavg started: its parent says it
         print(format_table([{"run": cfg.out, **summary}]))
-        print(f"run directory: {cfg.out}  (events.jsonl, summary.json, tensorboard/)")
+        written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
+        print(f"run directory: {cfg.out}  ({written})")
     return 0
 
 
