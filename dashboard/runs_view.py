@@ -28,7 +28,7 @@ NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
-TABLE_WIDTHS = {"run": 186, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
+TABLE_WIDTHS = {"run": 175, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
                 "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90,
                 "baseline": 190, "speedup_note": 300}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "

@@ -186,11 +186,11 @@ class RunSettings(param.Parameterized):
 
     def in_words(self, text: str) -> str:
         """`text` (the CLI's words) with each setting's dotted key as its box's label."""
-        pairs = [*((key, name) for name, key in CONTROLS.items()),
-                 *((key, "momentum") for key in METHOD_MOMENTUM.values())]
-        for key, name in sorted(pairs, key=lambda pair: -len(pair[0])):
-            text = re.sub(rf"(?<![\w.]){re.escape(key)}(?!\w)", self.label(name), text)
-        return text
+        names = {**{key: name for name, key in CONTROLS.items()},
+                 **{key: "momentum" for key in METHOD_MOMENTUM.values()}}
+        # One pass, longest key first: a label put in ("final lr") is never replaced again.
+        keys = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+        return re.sub(rf"(?<![\w.])({keys})(?!\w)", lambda m: self.label(names[m[1]]), text)
 
     def problems(self) -> dict[str, str]:
         """What is wrong, by control name; GENERAL for what no one control owns."""
