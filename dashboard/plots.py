@@ -259,13 +259,19 @@ def communication_plot(points: list[dict[str, Any]],
     if not wer:
         # Said in the title: an empty plot alone reads as a broken one.
         wer = [hv.Scatter([], "mb_sent", "wer_pct")]
-        wer_title = "WER: no decoded run yet (set decode_data to decode)"
+        wer_title = "WER: no decoded run yet"
     for layers, key in ((acc, "cv_acc_pct"), (wer, "wer_pct")):
         if one_rank and one_rank.get(key) is not None:
             layers.append(hv.HLine(one_rank[key]).opts(color="gray", line_dash="dashed"))
     x = "MB sent per rank (all rounds, log scale)"
-    ticks = {"xticks": FixedTicker(ticks=[0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500,
-                                          1000])}  # bokeh's own log ticks collide (40 50 60)
+    sent = frame["mb_sent"].astype(float)
+    # Bokeh's own log ticks collide (40 50 60) or, within a decade, leave one "10^0": ticks at
+    # 1-2-5 steps written as numbers, over the data's range (an empty plot's too, which bokeh
+    # left at a range whose one tick sat under the legend).
+    ticks = {"xticks": FixedTicker(ticks=[0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50,
+                                          100, 200, 500, 1000, 2000, 5000]),
+             "xformatter": NumeralTickFormatter(format="0.[00]"),
+             "xlim": (float(sent.min()) / 1.5, float(sent.max()) * 1.5) if len(sent) else (0.1, 10)}
     return (
         # Legends beside the plots: the points that sent the most sit at the right edge.
         hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",
