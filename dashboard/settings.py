@@ -136,7 +136,8 @@ class RunSettings(param.Parameterized):
         update = {name: _default(key) for name, key in CONTROLS.items()
                   if name not in _KEPT_BY_PRESETS}
         update.update({shown[k]: v for k, v in values.items() if k in shown})
-        self.param.update(**update, overrides={**self.overrides, **extra})
+        # A preset's values replace what was typed, refused text included.
+        self.param.update(**update, overrides={**self.overrides, **extra}, typed={})
 
     def key_of(self, name: str) -> str | None:
         """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""

@@ -129,6 +129,20 @@ def test_typed_text_that_is_no_number_is_refused_in_the_boxs_words(corpus, tmp_p
     assert settings.ranks == 3 and settings.errors == {}
 
 
+def test_in_a_notebook_the_page_is_a_plain_layout_with_its_resources_inline(corpus, tmp_path):
+    import panel as pn
+
+    from dashboard.app import create_app
+
+    page = create_app(runs_dir=str(tmp_path), data=str(corpus), inline=True)
+    # No template (whose styles came from a CDN); Panel's stylesheets go into the notebook.
+    assert isinstance(page, pn.Row) and pn.config.inline is True
+    assert page.dashboard.settings.data == str(corpus)
+    page.dashboard.settings.type_text("lr", "0,01")
+    page.dashboard.settings.preset = "teaching"  # a preset replaces refused text too
+    assert page.dashboard.settings.errors == {}
+
+
 def test_a_model_or_ranks_too_big_for_this_corpus_are_refused_beside_their_box(corpus, tmp_path):
     from labavg.data.dataset import open_dataset
 
