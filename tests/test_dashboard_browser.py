@@ -470,8 +470,9 @@ def test_a_reload_and_a_second_page_find_the_run_and_keep_stop(page, served):
     stop.click()
     # The server has the request once the page says so; the step then is an upper bound of the
     # step the request reached the trainer at (the click's way to a busy server took seconds).
-    _wait_for(lambda: page.get_by_text("at the next averaging round").count() > 0, 60,
-              "the server to take the Stop")
+    # (Or already says it stopped: the two may reach the page in one update.)
+    _wait_for(lambda: page.get_by_text("at the next averaging round").count() > 0
+              or page.get_by_text(f"Stopped: {name}").count() > 0, 60, "the server to take the Stop")
     at_stop = max(e["step"] for e in _events(runs / name, "minibatch"))
     taken = time.monotonic() - clicked
     _wait_for(lambda: page.get_by_text(f"Stopped: {name}").count() > 0, 120, f"{name} to stop")
