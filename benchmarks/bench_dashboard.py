@@ -27,7 +27,7 @@ import panel as pn  # noqa: E402
 from bokeh.document import Document  # noqa: E402
 from bokeh.protocol import Protocol  # noqa: E402
 
-from dashboard.components import LivePlots  # noqa: E402
+from dashboard.live_view import LivePlots  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 
 

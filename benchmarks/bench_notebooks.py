@@ -52,9 +52,8 @@ def run_notebook(path: Path, cwd: Path, kernel: str, timeout: float) -> tuple[fl
 
 
 def export_html(nb: nbformat.NotebookNode, out: Path) -> None:
-    from nbconvert import HTMLExporter
-
-    body, _ = HTMLExporter().from_notebook_node(nb)
+    # Equations typeset offline: MathJax copied beside the HTML files, no CDN script.
+    body, _ = teaching.offline_html_exporter(out.parent).from_notebook_node(nb)
     out.write_text(body)
 
 

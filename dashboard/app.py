@@ -21,15 +21,28 @@ if __name__.startswith("bokeh"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import panel as pn  # noqa: E402
+from panel.theme import Fast  # noqa: E402
 
-from dashboard.components import LivePlots, RunControls, RunsView, SettingsPanel  # noqa: E402
+from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
+from dashboard.live_view import LivePlots  # noqa: E402
+from dashboard.runs_view import RunsView  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
 from labavg.data.settings import DataConfig  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
+
+
+# Panel's Fast design loads one web font (Open Sans) from a font CDN, its only outside
+# request: offline a class would wait on it. The machine's own sans-serif (FONT) replaces it.
+# (A subclass of the design loses Panel's bundled resources, which are found by class name.)
+Fast._resources = {key: value for key, value in Fast._resources.items() if key != "font"}
+
+
 DATA = DataConfig.data  # labavg train's default data directory
+# The machine's own sans-serif: the template's default is a web font from a CDN.
+FONT = "'DejaVu Sans', 'Segoe UI', Helvetica, Arial, sans-serif"
 UPDATE_MS = 500  # the page is refreshed twice a second
 _TABLE_EVERY_TICKS = 10  # rescan the runs directory every 5 s while a run is on
 
@@ -62,29 +75,50 @@ class Dashboard:
         if self.live.running and self._ticks % _TABLE_EVERY_TICKS == 0:
             self.runs.refresh()
 
-    def view(self) -> pn.template.FastListTemplate:
-        """The page: settings in the sidebar; live plots, runs, scaling and communication in tabs."""
+    def _main(self) -> pn.Column:
         tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.runs.scaling_view()),
                        ("Communication", self.runs.communication_view()),
                        dynamic=False, sizing_mode="stretch_width")
+        return pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")
+
+    def view(self) -> pn.template.FastListTemplate:
+        """The page: settings in the sidebar; live plots, runs, scaling and communication in tabs."""
         return pn.template.FastListTemplate(
             title=TITLE,
             sidebar=[self.controls, SettingsPanel(self.settings)],
-            main=[pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")],
+            main=[self._main()],
             sidebar_width=330, header_background="#2f4f6f", accent_base_color="#2f4f6f",
-            main_layout=None,
+            main_layout=None, font=FONT,
         )
+
+    def inline_view(self) -> pn.Row:
+        """The same page as one cell's output: the settings beside the tabs, no template."""
+        sidebar = pn.Column(pn.pane.Markdown(f"### {TITLE}"), self.controls,
+                            SettingsPanel(self.settings), width=330)
+        return pn.Row(sidebar, self._main(), sizing_mode="stretch_width")
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (where the page is a cell's output)."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return getattr(shell, "kernel", None) is not None
 
 
 def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = DATA,
-               period_ms: int = UPDATE_MS, preset: str | None = None) -> pn.template.FastListTemplate:
-    """A servable dashboard page with its periodic update running (usable inline in JupyterLab).
-    `preset` selects a named preset first (a notebook passes its size's, so its runs pair up)."""
-    pn.extension("tabulator", notifications=False)
+               period_ms: int = UPDATE_MS, preset: str | None = None,
+               inline: bool | None = None) -> pn.viewable.Viewable:
+    """A servable dashboard page with its periodic update running. `preset` selects a named
+    preset first (a notebook passes its size's, so its runs pair up). `inline` (the default
+    in a Jupyter kernel): the page as a cell's output, its JavaScript and stylesheets in the
+    notebook, so a class without internet sees it styled (a template there took its styles
+    from a CDN, and offline showed a screen-high bare icon)."""
+    inline = in_notebook() if inline is None else inline
+    # Offline too: Panel's own resources, never a CDN's (the server serves them itself).
+    pn.extension("tabulator", notifications=False, inline=inline)
     dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
     if preset is not None:
         dashboard.settings.preset = preset
-    page = dashboard.view()
+    page = dashboard.inline_view() if inline else dashboard.view()
     pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
     page.dashboard = dashboard  # for tests and notebooks: the state behind the page
     return page

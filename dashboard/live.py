@@ -1,11 +1,8 @@
 """The run on screen: started here through labavg.jobs.launch, or followed from its run directory.
 
 Every blocking thing (training, starting MPI engines) happens on a worker thread, and the UI
-thread drains what the worker queued in a periodic callback (`LiveRun.drain`).
-
-    LiveRun       one run on screen (in-process workers, MPI engines, or monitor mode)
-    RunBuffers    what the live plots show about it, bounded in memory
-    RankSeries    per-rank bounded buffers of one curve, assembled into one row per step/round
+thread drains what the worker queued in a periodic callback (`LiveRun.drain`) into
+`dashboard.buffers.RunBuffers`.
 """
 
 from __future__ import annotations
@@ -13,221 +10,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import queue
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import param
 
+from dashboard.buffers import POINTS_PER_CURVE, RunBuffers
 from dashboard.settings import RunSettings, new_run_dir
+from dashboard.speedup import Speedup, live_speedup
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
-from labavg.studies.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 from labavg.base.errors import UserError, one_line, user_error_of
-from labavg.jobs.index import (
-    CONFIG,
-    EVENTS,
-    SUMMARY,
-    EventTail,
-    effective_k,
-    find_throughput_baseline,
-    training_throughput,
-)
-
-POINTS_PER_CURVE = 5000
-# Ranks the cost model predicts a speedup for, beside the run's own.
-PREDICTED_RANKS = (1, 2, 4, 8, 16, 32, 64)
-# Pending rows wait this long (in rows) for a late rank before they are emitted with a gap.
-_MAX_PENDING = 64
-
-
-class RankSeries:
-    """One quantity of every rank: bounded per-rank deques plus complete rows for streaming.
-
-    A row is (x, rank 0 value, ..., rank N-1 value, mean) and is emitted once every rank has
-    reported x (or, with a gap, when it is `_MAX_PENDING` rows behind), so the plots receive
-    one append per step instead of one per event.
-    """
-
-    def __init__(self, ranks: int, maxlen: int = POINTS_PER_CURVE) -> None:
-        self.ranks = ranks
-        self.points = [deque(maxlen=maxlen) for _ in range(ranks)]
-        self._pending: dict[float, np.ndarray] = {}
-        self._fresh: deque = deque(maxlen=maxlen)
-
-    def add(self, rank: int, x: float, y: float) -> None:
-        """Record rank's value y at x."""
-        if not 0 <= rank < self.ranks:
-            return
-        self.points[rank].append((x, y))
-        row = self._pending.get(x)
-        if row is None:
-            row = self._pending[x] = np.full(self.ranks, np.nan)
-        row[rank] = y
-        if not np.isnan(row).any():
-            self._emit(x, self._pending.pop(x))
-        elif len(self._pending) > _MAX_PENDING:
-            oldest = min(self._pending)
-            self._emit(oldest, self._pending.pop(oldest))
-
-    def _emit(self, x: float, row: np.ndarray) -> None:
-        finite = row[~np.isnan(row)]
-        mean = float(finite.mean()) if finite.size else math.nan
-        self._fresh.append((x, *row.tolist(), mean))
-
-    def flush(self) -> None:
-        """Emit the rows still waiting for a rank (at the end of a run)."""
-        for x in sorted(self._pending):
-            self._emit(x, self._pending.pop(x))
-
-    def take(self) -> list[tuple[float, ...]]:
-        """The complete rows since the last call, oldest first."""
-        rows = list(self._fresh)
-        self._fresh.clear()
-        return rows
-
-    def columns(self) -> list[str]:
-        """Column names of the rows: x, rank0..rankN-1, mean."""
-        return ["x", *(f"rank{r}" for r in range(self.ranks)), "mean"]
-
-
-@dataclasses.dataclass
-class RunBuffers:
-    """Everything the live plots show about one run, bounded in memory."""
-
-    ranks: int
-    maxlen: int = POINTS_PER_CURVE
-
-    def __post_init__(self) -> None:
-        self.loss = RankSeries(self.ranks, self.maxlen)  # x = step
-        self.divergence = RankSeries(self.ranks, self.maxlen)  # x = averaging round
-        self.compute = RankSeries(self.ranks, self.maxlen)  # x = averaging round
-        self.comm = RankSeries(self.ranks, self.maxlen)
-        self.fps = RankSeries(self.ranks, self.maxlen)
-        self.cv: deque = deque(maxlen=self.maxlen)  # (epoch, cv acc, train acc), rank 0
-        self.last_step = 0
-        self.finished: dict[str, Any] | None = None
-        self.started: dict[str, Any] | None = None  # rank 0's run_started
-        self.messages: deque = deque(maxlen=20)
-        # Throughput as Su & Chen's epoch time counts it: frames of all ranks over rank 0's
-        # compute + averaging seconds (the ranks wait for each other at every round).
-        self.frames = 0.0
-        self.seconds = 0.0
-        self.comm_seconds = 0.0
-        self.rounds = 0
-        self.round_steps = 0  # rank 0's minibatches up to its last averaging round
-
-    def add(self, event: dict[str, Any]) -> None:
-        """Route one event dict (labavg.base.events) into the buffers."""
-        kind, rank = event.get("type"), event.get("rank", 0)
-        if kind == "minibatch":
-            self.loss.add(rank, event["step"], event["loss"])
-            self.last_step = max(self.last_step, event["step"])
-        elif kind == "average":
-            rnd = event["round"]
-            self.divergence.add(rank, rnd, event["divergence"])
-            self.compute.add(rank, rnd, event["compute_seconds"])
-            self.comm.add(rank, rnd, event["comm_seconds"])
-            self.fps.add(rank, rnd, event["frames_per_second"])
-            self.frames += event["frames_per_second"] * event["compute_seconds"]
-            if rank == 0:
-                self.seconds += event["compute_seconds"] + event["comm_seconds"]
-                self.comm_seconds += event["comm_seconds"]
-                self.rounds += 1
-                start = self.started.get("start_step", 0) if self.started else 0
-                self.round_steps = event["step"] - start
-        elif kind == "run_started" and rank == 0:
-            self.started = event
-        elif kind == "epoch" and rank == 0:
-            self.cv.append((event["epoch"], event["cv_frame_accuracy"], event["train_frame_accuracy"]))
-        elif kind == "message":
-            self.messages.append(f"rank {rank}, step {event['step']}: {event['text']}")
-        elif kind == "run_finished" and rank == 0:
-            self.finished = event
-            for series in (self.loss, self.divergence, self.compute, self.comm, self.fps):
-                series.flush()
-
-
-    def frames_per_second(self) -> float | None:
-        """Frames per second of all ranks so far (training time), None before a round."""
-        return self.frames / self.seconds if self.seconds > 0 else None
-
-    def measured_costs(self, minibatch: int) -> MeasuredCosts | None:
-        """The cost model's inputs as this run measured them, once it has averaged."""
-        s = self.started
-        if s is None or self.rounds == 0 or self.round_steps < 1:
-            return None
-        compute = (self.seconds - self.comm_seconds) / self.round_steps
-        return MeasuredCosts(compute_per_minibatch_s=compute,
-                             allreduce_s=self.comm_seconds / self.rounds,
-                             num_params=int(s["num_params"]), minibatch=minibatch, ranks=self.ranks,
-                             frames_per_epoch=float(s["steps_per_epoch"] * minibatch * self.ranks))
-
-
-@dataclasses.dataclass(frozen=True)
-class Speedup:
-    """What the Live tab says about the run's speedup: measured, and the cost model's."""
-
-    ranks: int
-    K: int | None
-    frames_per_second: float | None  # this run, all ranks
-    baseline_frames_per_second: float | None
-    baseline_name: str | None
-    speedup: float | None
-    efficiency: float | None
-    predicted: list[tuple[int, float]]  # (ranks, speedup) on PREDICTION_NETWORK
-    predicted_from: str  # which run's costs the prediction uses
-    note: str  # why there is no measured speedup, or ""
-
-
-PREDICTION_NETWORK = TEN_GBE
-
-
-def live_speedup(buffers: RunBuffers, config: dict[str, Any],
-                 baseline: dict[str, Any] | None) -> Speedup:
-    """The run's throughput against its 1-rank baseline, and the cost model's speedups.
-
-    Speedup = frames/s of this run (all ranks) / frames/s of the baseline, both over training
-    time (compute + averaging); the baseline may differ in K, learning rate, schedule and
-    epochs (`find_throughput_baseline`), which leave the cost of a frame alone. The
-    prediction (`labavg.studies.costmodel.predict`, one rank per machine on PREDICTION_NETWORK) uses
-    the baseline's measured costs when there is one, else this run's.
-    """
-    ranks = int(config.get("ranks", buffers.ranks) or 1)
-    minibatch = int(config.get("minibatch") or 1)
-    k = effective_k(config)
-    fps = buffers.frames_per_second()
-    base_fps = training_throughput(baseline) if baseline else None
-    base_name = Path(str(baseline.get("config", {}).get("out", "?"))).name if baseline else None
-    speedup = fps / base_fps if fps and base_fps else None
-    note = ""
-    if baseline is None:
-        note = ("This 1-rank run is the baseline: runs of this model and data with more ranks "
-                "(any K) will be measured against it." if ranks == 1 else
-                "No speedup yet: no finished 1-rank run of this model, data, minibatch and "
-                "optimizer in the runs directory. Run one with ranks = 1 (any K) to measure it.")
-    elif fps is None:
-        note = "Measuring: the first averaging round gives the run's frames/s."
-    # The baseline's costs when there is one: one rank alone on the machine, so neither its
-    # compute nor its per-round overhead includes waiting for ranks that share the cores.
-    measured, source = buffers.measured_costs(minibatch), "this run"
-    if baseline is not None:
-        try:
-            measured, source = from_summary(baseline), f"1-rank run {base_name}"
-        except UserError:
-            pass
-    predicted: list[tuple[int, float]] = []
-    if measured is not None and k:
-        predicted = [(p.ranks, p.speedup) for p in predict(
-            measured, PREDICTED_RANKS, Ks=(k,), network=PREDICTION_NETWORK)]
-    return Speedup(ranks=ranks, K=k, frames_per_second=fps, baseline_frames_per_second=base_fps,
-                   baseline_name=base_name, speedup=speedup,
-                   efficiency=speedup / ranks if speedup is not None else None,
-                   predicted=predicted, predicted_from=source if predicted else "", note=note)
+from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail, find_throughput_baseline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +77,7 @@ class LiveRun(param.Parameterized):
         self._job: Job | None = None  # the server's run this page follows (started elsewhere)
         # The summary of the finished 1-rank run the run on screen is measured against.
         self.baseline: dict[str, Any] | None = None
+        self.load: float | None = None  # the load average as the run on screen started
 
     # -- starting and stopping -------------------------------------------------------------
 
@@ -334,7 +133,7 @@ class LiveRun(param.Parameterized):
 
     def speedup(self) -> Speedup:
         """The run on screen's speedup against its 1-rank baseline, and the cost model's."""
-        return live_speedup(self.buffers, self.config, self.baseline)
+        return live_speedup(self.buffers, self.config, self.baseline, self._summary, self.load)
 
     def stop(self) -> None:
         """Ask the run to stop at its next averaging round (all ranks stop together)."""
@@ -363,6 +162,8 @@ class LiveRun(param.Parameterized):
         self._stop = threading.Event()
         self._summary = None
         self.baseline = None
+        # The load average as the run starts (summary.json records the trainer's own).
+        self.load: float | None = os.getloadavg()[0] if mode == "live" else None
         self.error = ""
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
@@ -449,6 +250,10 @@ class LiveRun(param.Parameterized):
         if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:
             self.running = False
             self.mode = "idle"
+            try:
+                self._summary = json.loads((run_dir / SUMMARY).read_text())
+            except (OSError, json.JSONDecodeError):
+                pass
             word = "Stopped" if self.buffers.finished.get("stopped") else "Finished"
             self.status = f"{word}: {run_dir.name} — {_finish_text(self.buffers.finished)}"
 
@@ -509,5 +314,7 @@ class LiveRun(param.Parameterized):
 def _finish_text(finished: dict[str, Any]) -> str:
     if not finished:
         return "no summary"
-    return (f"step {finished.get('step')}, CV frame accuracy {100 * finished.get('cv_frame_accuracy', 0):.1f}%, "
-            f"{finished.get('wall_seconds', 0):.1f} s")
+    accuracy = finished.get("cv_frame_accuracy")
+    cv = ("no CV (stopped before the first epoch's end)"
+          if accuracy is None or math.isnan(accuracy) else f"CV frame accuracy {100 * accuracy:.1f}%")
+    return f"step {finished.get('step')}, {cv}, {finished.get('wall_seconds', 0):.1f} s"

@@ -16,13 +16,13 @@ import holoviews as hv
 import pandas as pd
 import panel as pn
 
-from dashboard.components import load_backend
+from dashboard.plots import load_backend
 from labavg.training.config import TrainConfig, check_setting, validate
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
+from labavg.jobs.summary import format_table
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import format_table
 
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 

@@ -10,23 +10,27 @@ from typing import Any
 import numpy as np
 import param
 
+from dashboard.speedup import measured_speedup, start_load
 from labavg.jobs.index import (
     EVENTS,
+    RunRecord,
+    comparable_config,
     differing_labels,
-    fill_speedups,
     list_runs,
     read_events,
     run_row,
+    throughput_config,
+    training_throughput,
 )
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
 TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
-                 "efficiency", "status", "cv_loss", "mb_sent", "payload", "optimizer", "model", "wall_s",
-                 "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
+                 "efficiency", "status", "baseline", "speedup_note", "cv_loss", "mb_sent", "payload",
+                 "optimizer", "model", "wall_s", "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
                 "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
-                "mb_sent": "MB sent"}
+                "mb_sent": "MB sent", "baseline": "1-rank baseline", "speedup_note": "speedup note"}
 
 
 def _table_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -46,8 +50,39 @@ def _table_row(row: dict[str, Any]) -> dict[str, Any]:
         "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
         # Per rank, all rounds (what one rank sent; labavg.averaging.mean's bytes_sent).
         "mb_sent": None if row["bytes_sent"] is None else row["bytes_sent"] / 1e6,
-        "speedup": row["speedup"], "efficiency": row["parallel_efficiency"],
+        "speedup": None, "efficiency": None, "baseline": None, "speedup_note": None,
     }
+
+
+def _is_baseline(record: RunRecord) -> bool:
+    s = record.summary
+    return s is not None and not s.get("stopped") and s.get("ranks") == 1 and bool(
+        training_throughput(s))
+
+
+def baseline_of(records: list[RunRecord], i: int) -> dict[str, Any] | None:
+    """The summary record i is measured against: as `find_throughput_baseline` found it when the
+    run started, the latest 1-rank run before it of the same configuration, else of the same
+    model, data, minibatch and optimizer."""
+    config = records[i].config
+    earlier = [r for r in records[:i] if _is_baseline(r)]
+    for key in (comparable_config, throughput_config):
+        same = [r for r in earlier if key(r.summary.get("config", r.config)) == key(config)]
+        if same:
+            return same[-1].summary
+    return None
+
+
+def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
+    """Each ended run's speedup, `measured_speedup`'s: the live view's number, to the digit."""
+    for i, (row, record) in enumerate(zip(rows, records)):
+        if record.summary is None:
+            continue
+        baseline = baseline_of(records, i)
+        measured = measured_speedup(training_throughput(record.summary), row["ranks"] or 1,
+                                    baseline, start_load(record.summary))
+        row.update(speedup=measured.speedup, efficiency=measured.efficiency,
+                   baseline=measured.baseline_name, speedup_note=measured.warning or None)
 
 
 class RunTable(param.Parameterized):
@@ -64,9 +99,8 @@ class RunTable(param.Parameterized):
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
         records = list_runs(Path(self.runs_dir))
-        rows = [run_row(r.name, r.config, r.summary) for r in records]
+        rows = [_table_row(run_row(r.name, r.config, r.summary)) for r in records]
         fill_speedups(rows, records)
-        rows = [_table_row(row) for row in rows]
         configs = {r.name: r.config for r in records}
         self._configs = configs
         self.selected = [name for name in self.selected if name in configs]
@@ -133,7 +167,7 @@ class RunTable(param.Parameterized):
                 if r["status"] == "finished" and r["ranks"] and r["ranks"] > 1 and r["mb_sent"]]
 
     def scaling(self) -> list[dict[str, Any]]:
-        """(ranks, speedup, efficiency, K, run) of the finished runs with a known speedup."""
+        """(ranks, speedup, efficiency, K, run, baseline) of the finished runs with a known speedup."""
         return [{"ranks": r["ranks"], "speedup": r["speedup"], "efficiency": r["efficiency"],
-                 "K": r["K"], "run": r["run"]}
+                 "K": r["K"], "run": r["run"], "baseline": r["baseline"]}
                 for r in self.rows if r["status"] == "finished" and r["speedup"] is not None]

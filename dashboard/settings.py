@@ -10,12 +10,14 @@ the CLI's) instead of quietly putting the old value back.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import param
 
+from dashboard.corpus_fit import fit_problems
 from labavg.averaging.registry import method_names
 from labavg.base.settings import check_directory, with_overrides
 from labavg.training.config import (PRESETS, TrainConfig, check_setting, setting_field,
@@ -34,6 +36,10 @@ _KEPT_BY_PRESETS = ("ranks", "average_every", "data")
 # One momentum box for the method chosen: BMUF's block momentum or DiLoCo's outer momentum
 # (the same rule, [0, 1)); plain averaging has none, and the box is then not used.
 METHOD_MOMENTUM = {"bmuf": "bmuf.momentum", "diloco": "diloco.momentum"}
+# How labavg.training.config.check_model_size's refusal begins.
+MODEL_TOO_BIG = "the model does not fit in memory"
+# A per-frame learning rate above this gets a warning beside its box (Kaldi's are below 0.01).
+LARGE_LR = 1.0
 
 
 def _default(key: str) -> Any:
@@ -96,13 +102,16 @@ class RunSettings(param.Parameterized):
     overrides = param.Dict(default={}, doc="more TrainConfig settings as dotted keys (not shown)")
     errors = param.Dict(default={}, doc="what is wrong, by control name (GENERAL: the settings "
                                         "together); empty when a run can start")
+    warnings = param.Dict(default={}, doc="what will run but may surprise, by control name")
+    typed = param.Dict(default={}, doc="text typed into a number box that is not a number, by "
+                                       "control name (the setting keeps its last number)")
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.param.averaging.objects = list(method_names())  # methods registered since import
         self.param.watch(self._on_preset, "preset")
         self.param.watch(lambda *_: self._update_errors(),
-                         [*CONTROLS, "backend", "runs_dir", "overrides"])
+                         [*CONTROLS, "backend", "runs_dir", "overrides", "typed"])
         self._update_errors()
 
     def _on_preset(self, event: param.parameterized.Event) -> None:
@@ -114,7 +123,8 @@ class RunSettings(param.Parameterized):
         update = {name: _default(key) for name, key in CONTROLS.items()
                   if name not in _KEPT_BY_PRESETS}
         update.update({shown[k]: v for k, v in values.items() if k in shown})
-        self.param.update(**update, overrides={**self.overrides, **extra})
+        # A preset's values replace what was typed, refused text included.
+        self.param.update(**update, overrides={**self.overrides, **extra}, typed={})
 
     def key_of(self, name: str) -> str | None:
         """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""
@@ -132,16 +142,55 @@ class RunSettings(param.Parameterized):
                        **self.overrides})
         return values
 
+    def label(self, name: str) -> str:
+        """What the page calls control `name` (its box's label)."""
+        return self.param[name].label
+
+    def type_text(self, name: str, text: str) -> None:
+        """Text typed into number box `name`: its number becomes the setting; anything else
+        stays in `typed`, refused in the box's words (the setting keeps its last number)."""
+        parameter = self.param[name]
+        text = (text or "").strip()
+        try:
+            number = None if text == "" else float(text)
+            if number is not None and isinstance(parameter, param.Integer):
+                if not number.is_integer():
+                    raise ValueError
+                number = int(number)
+        except ValueError:
+            self.typed = {**self.typed, name: text}
+            return
+        self.typed = {k: v for k, v in self.typed.items() if k != name}
+        if number != getattr(self, name) or type(number) is not type(getattr(self, name)):
+            setattr(self, name, number)
+
+    def _typed_problem(self, name: str, text: str) -> str:
+        whole = isinstance(self.param[name], param.Integer)
+        what = "a whole number" if whole else "a number"
+        hint = ""
+        if re.fullmatch(r"[+-]?\d*,\d+", text):
+            hint = f" (with a decimal point: {text.replace(',', '.')})"
+        return f"{self.label(name)} must be {what}; got {text!r}{hint}"
+
+    def in_words(self, text: str) -> str:
+        """`text` (the CLI's words) with each setting's dotted key as its box's label."""
+        names = {**{key: name for name, key in CONTROLS.items()},
+                 **{key: "momentum" for key in METHOD_MOMENTUM.values()}}
+        # One pass, longest key first: a label put in ("final lr") is never replaced again.
+        keys = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+        return re.sub(rf"(?<![\w.])({keys})(?!\w)", lambda m: self.label(names[m[1]]), text)
+
     def problems(self) -> dict[str, str]:
         """What is wrong, by control name; GENERAL for what no one control owns."""
-        found = {}
+        found = {name: self._typed_problem(name, text) for name, text in self.typed.items()}
         for name in CONTROLS:
             key = self.key_of(name)
-            if key is None:
+            if key is None or name in found:
                 continue
             problem = check_setting(key, getattr(self, name))
             if problem is not None:
-                found[name] = problem
+                found[name] = (f"{self.label(name)} needs a value" if getattr(self, name) is None
+                               else self.in_words(problem))
         problem = check_directory(self.runs_dir or "", "runs directory", "the runs directory")
         if problem is None and not (self.runs_dir or "").strip():
             problem = "runs directory must be a non-empty path; got ''"
@@ -158,11 +207,31 @@ class RunSettings(param.Parameterized):
             try:
                 self.to_config(Path(self.runs_dir) / "check")
             except UserError as exc:
-                found[GENERAL] = str(exc)
+                # validate's model-size check knows only the smallest corpus ("143 inputs and 2
+                # pdfs"): fit_problems below says it with this corpus's sizes, beside the box.
+                if not str(exc).startswith(MODEL_TOO_BIG):
+                    found[GENERAL] = self.in_words(str(exc))
+        if not found:
+            found.update(fit_problems(self._values("x")))
+        return found
+
+    def warnings_now(self) -> dict[str, str]:
+        """What will run but deserves a word beside its box (the run may still start)."""
+        found = {}
+        lr = self.lr
+        if isinstance(lr, (int, float)) and lr > LARGE_LR and "lr" not in self.errors:
+            clipped = (self.optimizer == "ngsgd" or (self.overrides.get("max_param_change") or 0) > 0
+                       or (self.overrides.get("max_change_per_sample") or 0) > 0)
+            found["lr"] = (
+                f"learning rate {lr:g} is far above Kaldi's (0.0008 to 0.008): "
+                + ("max-change clips every update, so the rate no longer sets the step (such a "
+                   "run can even score best)." if clipped else
+                   "plain SGD has no max-change: the updates blow up."))
         return found
 
     def _update_errors(self) -> None:
         self.errors = self.problems()
+        self.warnings = self.warnings_now()
 
     def to_config(self, out: str | Path) -> TrainConfig:
         """The validated TrainConfig of a run written to `out`; UserError names a bad value."""

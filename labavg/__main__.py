@@ -2,6 +2,6 @@
 
 import sys
 
-from labavg.cli import main
+from labavg.cli.main import main
 
 sys.exit(main())

@@ -403,7 +403,8 @@ def test_cli_bad_averaging_settings_exit_2_with_one_line(tmp_path, args, named):
 
 
 def test_toml_tables_flags_and_set(tmp_path):
-    from labavg.cli import build_parser, train_config
+    from labavg.cli.commands import train_config
+    from labavg.cli.parser import build_parser
 
     path = tmp_path / "c.toml"
     path.write_text('averaging = "bmuf"\n[bmuf]\nmomentum = 0.5\nnesterov = false\n'

@@ -110,7 +110,7 @@ def test_pipe_in_a_data_file_runs_nothing_and_exits_2(tmp_path, table):
 
 
 def test_a_comma_in_the_corpus_path_is_refused_before_anything_is_written(tmp_path, capsys):
-    from labavg.cli import main
+    from labavg.cli.main import main
 
     out = tmp_path / "a,b"
     assert main(["corpus", "synth", str(out), "--hours", "0.01"]) == 2

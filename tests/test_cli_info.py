@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labavg.cli import main
+from labavg.cli.main import main
 
 
 def _run(path: Path, ranks: int, finished: bool = True) -> Path:

@@ -176,6 +176,22 @@ def page(served):
             browser.close()
 
 
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    """Rank 0's events of one kind so far (events.jsonl, read as it is written)."""
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line being written
+        if event.get("type") == kind and event.get("rank", 0) == 0:
+            out.append(event)
+    return out
+
+
 def _wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -254,7 +270,7 @@ def test_widgets_say_what_is_wrong_next_to_them_and_start_waits(page, tmp_path, 
     _message_below(page, "ranks", "ranks must be positive; got 0")
     _wait_for(lambda: _start_disabled(page), 30, "Start to be disabled")
     _set_number(page, "learning rate", -0.1)
-    _message_below(page, "learning rate", "lr must be positive and finite; got -0.1")
+    _message_below(page, "learning rate", "learning rate must be positive and finite; got -0.1")
     # The typed values stay in their boxes (nothing puts the old value back on blur).
     page.get_by_label("hidden units", exact=True).click()
     assert page.get_by_label("ranks", exact=True).input_value() == "0"
@@ -344,6 +360,12 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     assert "NaN" not in cells and "null" not in cells, cells
     assert not re.search(r"\d\.\d{6,}", cells), cells
     page.screenshot(path=str(ARTIFACTS / "dashboard-runs.png"))
+    # One speedup per run: the table's cell is the Live tab's number, against the run it named.
+    row = next(i for i, t in enumerate(texts) if third in t)
+    cell = rows.nth(row).locator(".tabulator-cell[tabulator-field='speedup']").inner_text()
+    assert cell == f"{value:.2f}", (cell, value)
+    named = rows.nth(row).locator(".tabulator-cell[tabulator-field='baseline']").inner_text()
+    assert named == second, named
     table = page.locator(".tabulator").first.bounding_box()
     for title in ("ranks", "method", "lr", "WER %", "PER %", "CV acc %", "speedup", "efficiency"):
         header = page.locator(".tabulator-col", has_text=title).first
@@ -381,12 +403,12 @@ def test_the_momentum_box_is_used_only_by_a_method_that_has_one(page, served):
     page.get_by_label("averaging method", exact=True).select_option("bmuf")
     _wait_for(lambda: momentum.is_enabled(), 30, "the momentum box to be enabled")
     _set_number(page, "method momentum", 1.5)
-    _message_below(page, "method momentum", "bmuf.momentum must be")
+    _message_below(page, "method momentum", "method momentum must be in [0, 1); got 1.5")
     assert _start_disabled(page)
-    page.get_by_label("averaging method", exact=True).select_option("diloco")
-    _message_below(page, "method momentum", "diloco.momentum must be")
+    page.get_by_label("averaging method", exact=True).select_option("diloco")  # the same rule
+    _message_below(page, "method momentum", "method momentum must be in [0, 1); got 1.5")
     _set_number(page, "method momentum", 0.5)
-    _wait_for(lambda: not page.get_by_text("diloco.momentum must be").count(), 30, "the message to go")
+    _wait_for(lambda: not page.get_by_text("method momentum must be").count(), 30, "the message to go")
     page.get_by_label("averaging method", exact=True).select_option("model")
     _wait_for(lambda: momentum.is_disabled(), 30, "the momentum box to be disabled")
 
@@ -442,6 +464,127 @@ def test_a_reload_and_a_second_page_find_the_run_and_keep_stop(page, served):
         other.screenshot(path=str(ARTIFACTS / "dashboard-second-page.png"))
     finally:
         other.close()
+    _wait_for(lambda: _events(runs / name, "epoch"), 120, "an epoch end before Stop")
+    clicked = time.monotonic()
+    at_click = max(e["step"] for e in _events(runs / name, "minibatch"))
     stop.click()
+    # The server has the request once the page says so; the step then is an upper bound of the
+    # step the request reached the trainer at (the click's way to a busy server took seconds).
+    # (Or already says it stopped: the two may reach the page in one update.)
+    _wait_for(lambda: page.get_by_text("at the next averaging round").count() > 0
+              or page.get_by_text(f"Stopped: {name}").count() > 0, 60, "the server to take the Stop")
+    at_stop = max(e["step"] for e in _events(runs / name, "minibatch"))
+    taken = time.monotonic() - clicked
     _wait_for(lambda: page.get_by_text(f"Stopped: {name}").count() > 0, 120, f"{name} to stop")
-    assert json.loads((runs / name / "summary.json").read_text())["stopped"] is True
+    seconds = time.monotonic() - clicked
+    summary = json.loads((runs / name / "summary.json").read_text())
+    assert summary["stopped"] is True
+    # The next averaging round ends it (K = 10): no epoch end, and so no CV, after the request.
+    k = summary["average_every"]
+    assert summary["steps"] - at_stop <= k + 2, (summary["steps"], at_stop, k)
+    assert all(e["step"] <= at_stop for e in _events(runs / name, "epoch"))
+    print(f"Stop: taken by the server {taken:.1f} s ({at_stop - at_click} steps) after the click; "
+          f"the run ended {summary['steps'] - at_stop} steps and {seconds:.1f} s after the click")
+
+
+def test_refusals_and_warnings_sit_beside_their_box_in_its_words_before_start(page, served):
+    """Typed text is judged as typed (no more "0,01" read as 1, "abc" dropped), each refusal
+    under its box with its label and this corpus's sizes; a huge lr is allowed, with a warning
+    that teaches max-change; Start is off while a refusal stands."""
+    _set_number(page, "learning rate", "0,01")
+    _message_below(page, "learning rate", "learning rate must be a number; got '0,01' "
+                   "(with a decimal point: 0.01)")
+    assert _start_disabled(page)
+    _set_number(page, "learning rate", "abc")
+    _message_below(page, "learning rate", "learning rate must be a number; got 'abc'")
+    _set_number(page, "K (average every)", 0)
+    _message_below(page, "K (average every)", "K (average every) must be positive; got 0")
+    assert page.get_by_text("average_every").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "dashboard-typed.png"))
+    _set_number(page, "K (average every)", 10)
+    _set_number(page, "learning rate", "1e9")
+    _message_below(page, "learning rate", "max-change clips every update")
+    _wait_for(lambda: not _start_disabled(page), 30, "Start on: a warning does not refuse")
+    _set_number(page, "hidden units", 100000000)
+    _message_below(page, "hidden units", "hidden units 100000000 × hidden layers")
+    text = page.get_by_text("hidden units 100000000 × hidden layers").first.inner_text()
+    assert "this corpus's" in text and "143 inputs" not in text, text
+    assert _start_disabled(page)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-refusals.png"))
+    _set_number(page, "hidden units", 64)
+    _set_number(page, "ranks", 100000)
+    _message_below(page, "ranks", "ranks 100000")
+    assert _start_disabled(page)
+    _set_number(page, "ranks", 2)
+    _set_number(page, "learning rate", 0.008)
+    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+
+
+def _offline_page(pw, url: str, outside: list[str]):
+    """A 1366 x 768 page that may reach only this machine: every other request is recorded
+    in `outside` and refused."""
+    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+
+    def route(request_route):
+        where = request_route.request.url
+        if where.startswith(("http://127.0.0.1", "ws://127.0.0.1", "file://", "data:", "blob:")):
+            request_route.continue_()
+        else:
+            outside.append(where)
+            request_route.abort()
+
+    page.route("**/*", route)
+    return browser, page
+
+
+def test_the_page_is_styled_with_no_request_outside_this_machine(served):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    url, _ = served
+    outside: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser, page = _offline_page(pw, url, outside)
+        try:
+            page.goto(url, timeout=180000)
+            start = page.get_by_role("button", name="Start")
+            start.wait_for(timeout=180000)
+            # Panel's stylesheet, not the browser's default grey button.
+            background = start.evaluate("e => getComputedStyle(e).backgroundColor")
+            assert background not in ("rgb(239, 239, 239)", "rgba(0, 0, 0, 0)"), background
+            height = page.locator("#sidebar-button").bounding_box()["height"]
+            assert height < 100, height  # the header, not a screen-high bare icon
+            page.screenshot(path=str(ARTIFACTS / "dashboard-offline.png"))
+        finally:
+            browser.close()
+    assert outside == []
+
+
+def test_an_exported_notebook_typesets_its_equations_offline(tmp_path):
+    """labavg.studies.teaching.offline_html_exporter: no script or stylesheet from outside, and
+    MathJax (a local copy beside the HTML) typesets with the network blocked."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    import nbformat
+
+    from labavg.studies.teaching import offline_html_exporter
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "Efficiency $\\eta = S_N / N$, and $$S_N = \\frac{T_1}{T_N}$$")])
+    html, _ = offline_html_exporter(tmp_path).from_notebook_node(nb)
+    assert not re.search(r"<(script|link)[^>]*(src|href)=\"(https?:)?//", html), "a CDN reference"
+    (tmp_path / "nb.html").write_text(html)
+    outside: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser, page = _offline_page(pw, "", outside)
+        try:
+            page.goto((tmp_path / "nb.html").as_uri())
+            typeset = page.locator(".MathJax, .MathJax_Display")
+            _wait_for(lambda: typeset.count() >= 2, 60, "MathJax's output")
+            assert "$$" not in page.locator("body").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "notebook-offline.png"))
+        finally:
+            browser.close()
+    assert outside == []

@@ -16,7 +16,8 @@ import pytest
 # dashboard/ sits beside labavg/ but is not (yet) an installed package: import it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboard.live import LiveRun, RankSeries, RunBuffers
+from dashboard.buffers import RankSeries, RunBuffers
+from dashboard.live import LiveRun
 from dashboard.runs_table import RunTable
 from dashboard.settings import (
     BACKEND_LABELS,
@@ -81,16 +82,23 @@ def _cli_words(key: str, value) -> str:
     return str(info.value)
 
 
-def test_bad_values_are_kept_and_named_in_the_clis_words(corpus, tmp_path):
+def _box_words(key: str, label: str, value) -> str:
+    """The CLI's words about a bad value, with the box's label where the CLI names the key."""
+    words = _cli_words(key, value)
+    assert words.startswith(key), words
+    return label + words[len(key):]
+
+
+def test_bad_values_are_kept_and_named_in_the_boxes_words(corpus, tmp_path):
     settings = tiny_settings(corpus, tmp_path / "runs")
     assert settings.errors == {} and settings.check() is None
     settings.param.update(ranks=0, average_every=0, lr=-0.1)
     # The typed values stay (nothing puts the old ones back) and each has its message.
     assert (settings.ranks, settings.average_every, settings.lr) == (0, 0, -0.1)
-    assert settings.errors == {"ranks": _cli_words("ranks", 0),
-                               "average_every": _cli_words("average_every", 0),
-                               "lr": _cli_words("lr", -0.1)}
-    assert settings.errors["ranks"] == "ranks must be positive; got 0"
+    assert settings.errors == {"ranks": _box_words("ranks", "ranks", 0),
+                               "average_every": _box_words("average_every", "K (average every)", 0),
+                               "lr": _box_words("lr", "learning rate", -0.1)}
+    assert settings.errors["average_every"] == "K (average every) must be positive; got 0"
     live = LiveRun()
     assert live.start(settings) is False and not live.running
     assert live.status == "Cannot start: ranks must be positive; got 0"
@@ -98,12 +106,74 @@ def test_bad_values_are_kept_and_named_in_the_clis_words(corpus, tmp_path):
     assert settings.errors == {}
     settings.final_lr = None  # an emptied optional box means the default
     settings.minibatch = None  # an emptied box of a required one does not
-    assert settings.errors == {"minibatch": "minibatch must be positive; got None"}
+    assert settings.errors == {"minibatch": "minibatch needs a value"}
 
 
 def test_settings_that_contradict_each_other_are_one_general_message(corpus, tmp_path):
     settings = tiny_settings(corpus, tmp_path / "runs", minibatch=4096)
     assert settings.errors == {GENERAL: "data.buffer_frames (2048) must be at least the minibatch (4096)"}
+
+
+def test_typed_text_that_is_no_number_is_refused_in_the_boxs_words(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path / "runs", lr=0.008)
+    settings.type_text("lr", "0,01")  # a decimal comma: the browser's number box read 1
+    assert settings.lr == 0.008 and settings.errors == {
+        "lr": "learning rate must be a number; got '0,01' (with a decimal point: 0.01)"}
+    assert LiveRun().start(settings) is False  # refused before anything starts
+    settings.type_text("lr", "abc")  # once dropped without a word
+    assert settings.errors == {"lr": "learning rate must be a number; got 'abc'"}
+    settings.type_text("lr", "0.01")
+    assert settings.lr == 0.01 and settings.errors == {}
+    settings.type_text("ranks", "2.5")
+    assert settings.errors == {"ranks": "ranks must be a whole number; got '2.5'"}
+    settings.type_text("ranks", "3")
+    assert settings.ranks == 3 and settings.errors == {}
+
+
+def test_in_a_notebook_the_page_is_a_plain_layout_with_its_resources_inline(corpus, tmp_path):
+    import panel as pn
+
+    from dashboard.app import create_app
+
+    page = create_app(runs_dir=str(tmp_path), data=str(corpus), inline=True)
+    # No template (whose styles came from a CDN); Panel's stylesheets go into the notebook.
+    assert isinstance(page, pn.Row) and pn.config.inline is True
+    assert page.dashboard.settings.data == str(corpus)
+    page.dashboard.settings.type_text("lr", "0,01")
+    page.dashboard.settings.preset = "teaching"  # a preset replaces refused text too
+    assert page.dashboard.settings.errors == {}
+
+
+def test_a_model_or_ranks_too_big_for_this_corpus_are_refused_beside_their_box(corpus, tmp_path):
+    from labavg.data.dataset import open_dataset
+
+    source = open_dataset(str(corpus))
+    inputs, pdfs = source.feat_dim * 5, source.num_pdfs  # context 2: 5 frames
+    settings = tiny_settings(corpus, tmp_path / "runs", hidden_dim=100_000_000)
+    message = settings.errors["hidden_dim"]
+    assert set(settings.errors) == {"hidden_dim"}, settings.errors
+    # This corpus's sizes, not validate's smallest corpus ("143 inputs and 2 pdfs").
+    assert message.startswith("hidden units 100000000 × hidden layers 1 on this corpus's "
+                              f"{inputs} inputs ({source.feat_dim} features × 5 frames) and "
+                              f"{pdfs} pdfs"), message
+    assert "model.hidden_dim" not in message and "GiB" in message
+    settings.hidden_dim = 32
+    settings.ranks = 100_000
+    assert set(settings.errors) == {"ranks"} and settings.errors["ranks"].startswith("ranks 100000")
+    settings.ranks = 1000  # fits in memory, but not in the data: each rank needs a minibatch
+    assert "too many for this corpus" in settings.errors["ranks"], settings.errors
+    settings.ranks = 2
+    assert settings.errors == {}
+
+
+def test_a_huge_learning_rate_is_allowed_with_a_warning_that_teaches_max_change(corpus, tmp_path):
+    settings = tiny_settings(corpus, tmp_path / "runs", lr=1e9, optimizer="ngsgd")
+    assert settings.errors == {}  # it runs: that is the lesson
+    assert "max-change clips every update" in settings.warnings["lr"]
+    settings.optimizer = "sgd"  # nnet1's SGD has no max-change
+    assert "no max-change" in settings.warnings["lr"]
+    settings.lr = 0.008
+    assert settings.warnings == {}
 
 
 def test_defaults_are_train_configs_and_a_preset_changes_only_what_is_trained(corpus):
@@ -187,9 +257,9 @@ def test_the_momentum_box_sets_the_chosen_methods_momentum(corpus, tmp_path):
     cfg = settings.to_config(tmp_path / "r")
     assert (cfg.diloco.momentum, cfg.bmuf.momentum) == (0.75, TrainConfig().bmuf.momentum)
     settings.momentum = 1.0
-    # Named in the CLI's words, for the setting the box stands for now.
-    assert settings.errors == {"momentum": _cli_words("diloco.momentum", 1.0)}
-    assert settings.errors["momentum"].startswith("diloco.momentum must be")
+    # Named in the box's words, by the rule of the setting the box stands for now.
+    assert settings.errors == {"momentum": _box_words("diloco.momentum", "method momentum", 1.0)}
+    assert settings.errors["momentum"].startswith("method momentum must be")
     settings.averaging = "model"  # plain averaging has no momentum: the box is not used
     assert settings.errors == {} and settings.key_of("momentum") is None
     assert settings.to_config(tmp_path / "r").bmuf.momentum == TrainConfig().bmuf.momentum
@@ -200,7 +270,7 @@ def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
     assert settings.errors == {} and settings.key_of("payload_bits") is None  # bf16 has no bits
     assert settings.to_config(tmp_path / "r").payload_bits == TrainConfig().payload_bits
     settings.payload = "int"
-    assert settings.errors == {"payload_bits": _cli_words("payload_bits", 5)}
+    assert settings.errors == {"payload_bits": _box_words("payload_bits", "payload bits (int)", 5)}
     settings.payload_bits = 4
     cfg = settings.to_config(tmp_path / "r")
     assert (cfg.payload, cfg.payload_bits) == ("int", 4)
@@ -258,7 +328,7 @@ def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, cor
     pytest.importorskip("holoviews")
     import holoviews as hv
 
-    from dashboard.components import LivePlots
+    from dashboard.live_view import LivePlots
 
     _, (_, three) = finished_runs
     live = LiveRun()
@@ -299,6 +369,55 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert live.buffers.finished["step"] < 10 * per_epoch  # 50 epochs planned
     assert live.status.startswith("Stopped:")
     assert not live.running
+
+
+def test_stop_ends_the_run_at_the_next_round_even_an_epoch_end_without_cv(corpus, tmp_path):
+    """docs/averaging.md: a stop request ends the run at the next averaging round. With K
+    beyond the epoch that round is the first epoch's end: the run must end there, with its
+    checkpoint, and run neither the epoch's CV nor the final model's (they once took seconds
+    after Stop on a class corpus)."""
+    from labavg.jobs.index import read_events
+
+    live = LiveRun()
+    assert live.start(tiny_settings(corpus, tmp_path, epochs=50, average_every=1000))
+    live.stop()  # before the first round: reading the data takes longer than the stop's relay
+    assert live.join(60)
+    run_to_end(live)
+    events = read_events(Path(live.run_dir))
+    per_epoch = next(e for e in events if e["type"] == "run_started")["steps_per_epoch"]
+    summary = json.loads((Path(live.run_dir) / "summary.json").read_text())
+    assert summary["stopped"] is True
+    assert summary["steps"] == per_epoch and summary["averaging_rounds"] == 1
+    assert [e for e in events if e["type"] == "epoch"] == []
+    assert math.isnan(summary["cv_frame_accuracy"])  # no CV ran after the request
+    assert any(e["type"] == "checkpoint" for e in events)  # resumable from where it stopped
+    assert live.status.startswith("Stopped:") and "no CV" in live.status
+
+
+def test_the_runs_table_warns_when_a_speedup_compares_runs_under_different_load(finished_runs,
+                                                                                  tmp_path):
+    runs, (one, three) = finished_runs
+    # labavg.jobs.runs records the load average at each run's start and end.
+    for live in (one, three):
+        load = live.summary["load_average"]
+        assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
+    copy = tmp_path / "runs"
+    shutil.copytree(runs, copy)
+    names = sorted(p.name for p in copy.iterdir())
+
+    def set_load(name, value):
+        path = copy / name / "summary.json"
+        summary = json.loads(path.read_text())
+        summary["load_average"] = {"start": value, "end": value}
+        path.write_text(json.dumps(summary))
+
+    set_load(names[0], 3.5)  # the 1-rank baseline ran beside other work
+    set_load(names[1], 0.4)
+    rows = RunTable(runs_dir=str(copy)).refresh()
+    note = rows[1]["speedup_note"]
+    assert note and "different load" in note and "3.5" in note and "0.4" in note and names[0] in note
+    set_load(names[0], 0.9)  # within one busy core of each other: no warning
+    assert RunTable(runs_dir=str(copy)).refresh()[1]["speedup_note"] is None
 
 
 def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_path):
@@ -358,9 +477,14 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     assert [r["ranks"] for r in rows] == [1, 3]
     assert all(r["status"] == "finished" and r["model"] == "1x32" for r in rows)
     assert [r["K"] for r in rows] == [2, 4]
-    assert rows[1]["speedup"] == pytest.approx(one.summary["wall_seconds"] / three.summary["wall_seconds"])
+    # One speedup per run: frames/s against the named 1-rank run, the Live tab's number.
+    assert rows[1]["speedup"] == pytest.approx(
+        training_throughput(three.summary) / training_throughput(one.summary), rel=1e-12)
+    assert rows[1]["speedup"] == three.speedup().speedup
+    assert rows[1]["baseline"] == rows[0]["run"] == three.speedup().baseline_name
     assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 3)
-    assert [p["ranks"] for p in table.scaling()] == [1, 3]
+    assert rows[0]["speedup"] is None  # the baseline itself: nothing before it to compare with
+    assert [(p["ranks"], p["baseline"]) for p in table.scaling()] == [(3, rows[0]["run"])]
 
     table.selected = [r["run"] for r in rows]
     curves = table.overlay()
@@ -383,7 +507,7 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
 
 
 def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
-    from dashboard.components import communication_plot, load_backend
+    from dashboard.plots import communication_plot, load_backend
 
     load_backend()
     runs, (one, three) = finished_runs
@@ -477,7 +601,7 @@ def test_buffers_are_bounded():
 
 def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     pytest.importorskip("holoviews")
-    from dashboard.components import LivePlots
+    from dashboard.live_view import LivePlots
 
     _, (_, three) = finished_runs
     live = LiveRun(maxlen=10)

@@ -103,7 +103,8 @@ def test_the_factory_builds_the_registered_class_with_its_section(half):
 
 
 def test_the_cli_lists_and_takes_it(half, tmp_path, monkeypatch):
-    from labavg.cli import build_parser, train_config
+    from labavg.cli.commands import train_config
+    from labavg.cli.parser import build_parser
 
     monkeypatch.chdir(tmp_path)
     parser = build_parser()
@@ -126,7 +127,7 @@ def test_the_dashboard_form_offers_it(half, tmp_path):
 
 
 def test_labavg_info_formats_a_run_of_it(half, tmp_path, capsys):
-    from labavg.cli import main
+    from labavg.cli.main import main
     from labavg.jobs.index import comparable_config
 
     cfg = _half_config(tmp_path)

@@ -28,7 +28,8 @@ def test_importing_the_configuration_imports_no_torch():
 
 
 def test_every_flag_sets_its_setting_and_shows_its_help():
-    from labavg.cli import build_parser, train_config
+    from labavg.cli.commands import train_config
+    from labavg.cli.parser import build_parser
 
     parser = build_parser()
     train_help = parser._subparsers._group_actions[0].choices["train"].format_help()
@@ -67,11 +68,14 @@ def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
             setattr(settings, name, low)
             with pytest.raises(UserError) as info:
                 validate(with_overrides(TrainConfig(), {key: low}))
-            assert settings.errors[name] == check_setting(key, low) == str(info.value), name
+            # In the box's words: the CLI's message with the box's label for the key.
+            assert check_setting(key, low) == str(info.value), name
+            assert settings.errors[name] == settings.in_words(str(info.value)), name
+            assert settings.errors[name].startswith(settings.label(name)), name
             setattr(settings, name, field.default)
             assert name not in settings.errors, name
     settings.hidden_layers = -1
-    assert settings.errors["hidden_layers"] == "model.hidden_layers must be >= 0; got -1"
+    assert settings.errors["hidden_layers"] == "hidden layers must be >= 0; got -1"
     settings.hidden_layers = 0  # the schema's lower bound (0 hidden layers is allowed)
     assert "hidden_layers" not in settings.errors
 

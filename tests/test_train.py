@@ -215,7 +215,8 @@ def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path):
 
 
 def test_config_file_and_flags(tmp_path):
-    from labavg.cli import build_parser, train_config
+    from labavg.cli.commands import train_config
+    from labavg.cli.parser import build_parser
 
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('ranks = 4\noptimizer = "ngsgd"\n[model]\nhidden_dim = 256\n'

@@ -8,6 +8,7 @@ the run directory's files (the event log, config.json, summary.json, final.pt).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
     started: dict[int, RunStarted] = {}
     summary = None
     bar = None
+    # Load averages (1 minute) at the start and end: a speedup against a 1-rank run that ran
+    # under another load is not the averaging's alone (the dashboard warns of it).
+    load_start = os.getloadavg()[0]
     try:
         for event in events:
             if event.rank not in logs:
@@ -115,6 +119,7 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, find_baseline(run_dir, to_dict(cfg)))
                 summary["resumed"] = resume
+                summary["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:

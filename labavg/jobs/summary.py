@@ -104,10 +104,11 @@ def comm_hidden_fraction(finished: RunFinished) -> float | None:
 def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     """A Markdown table of run summaries (one row per run); error rates when the run decoded."""
     cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
-            ("method", "averaging"),
+            ("lr", "lr"), ("epochs", "epochs"), ("method", "averaging"),
             ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
-            ("comm %", "comm_fraction"), ("speedup", "speedup"), ("efficiency", "parallel_efficiency")]
+            ("comm %", "comm_fraction"), ("speedup", "speedup"),
+            ("efficiency %", "parallel_efficiency"), ("stopped", "status")]
     rows = [{**summary_row(s.get("run"), s), "run": s.get("run")} for s in summaries]
     if not any(r["wer"] is not None for r in rows):
         cols = [c for c in cols if c[1] not in ("wer", "per")]
@@ -129,6 +130,12 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
             return f"{value:.2f}"
         if key in ("cv_frame_accuracy", "comm_fraction"):
             return f"{100 * value:.2f}"
+        if key == "parallel_efficiency":  # a percentage, as the dashboard shows it
+            return f"{100 * value:.0f}"
+        if key == "status":
+            return "yes" if value == "stopped" else "no"
+        if key == "lr":
+            return f"{value:g}"
         if isinstance(value, float):
             return "nan" if math.isnan(value) else f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
         return str(value)

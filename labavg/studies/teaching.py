@@ -176,6 +176,33 @@ def load_plotting(panel: bool = False) -> None:
     show_user_errors_in_one_line()
 
 
+# MathJax 2 as nbconvert's template loads it, from a local copy:
+MATHJAX_CONFIG = "?config=TeX-AMS-MML_HTMLorMML-full,Safe"  # the configs the package ships
+
+
+def offline_html_exporter(out_dir: str | os.PathLike | None = None):
+    """nbconvert's HTMLExporter with no script from a CDN, so an exported notebook opens and
+    typesets its equations without internet: MathJax from the jupyter-server-mathjax package
+    (copied to OUT_DIR/mathjax/ when `out_dir` is given, so the folder can be handed out; else
+    referenced where it is installed), and no require.js or mermaid (bokeh's inline
+    JavaScript needs neither)."""
+    import shutil
+
+    import jupyter_server_mathjax
+    from nbconvert import HTMLExporter
+
+    mathjax = Path(jupyter_server_mathjax.__file__).parent / "static"
+    if out_dir is None:
+        url = (mathjax / "MathJax.js").as_uri()
+    else:
+        copy = Path(out_dir) / "mathjax"
+        if not (copy / "MathJax.js").is_file():
+            shutil.copytree(mathjax, copy, dirs_exist_ok=True)
+        url = "mathjax/MathJax.js"
+    return HTMLExporter(mathjax_url=url + MATHJAX_CONFIG, require_js_url="", mermaid_js_url="",
+                        mermaid_layout_elk_js_url="")
+
+
 def show_user_errors_in_one_line() -> None:
     """In IPython, a UserError (a bad value, engines already shut down) prints its one line
     instead of a traceback, as the CLI does: a class rerunning a cell after Run All reads

@@ -68,7 +68,7 @@ def train_rank(
     while run.progress.step < run.total_steps and not run.stopped:
         epoch, start = divmod(run.progress.step, run.num_steps)
         reached_end = yield from _train_epoch(run, epoch, start)
-        if not reached_end:  # stopped on request in mid-epoch
+        if not reached_end:  # stopped on request, mid-epoch or at its end
             break
         yield from _end_epoch(run, epoch)
     yield _run_finished(run)
@@ -187,7 +187,7 @@ def _run_started(run: _RankRun) -> RunStarted:
 def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
     """Minibatches `start`.. of `epoch`, each followed by the round the averager says is due
     and by a checkpoint when one is due; returns (through `yield from`) whether the epoch ran
-    to its end, False when it stopped on request."""
+    to its end without a stop request, False when it stopped on request."""
     run.epoch_started = time.perf_counter()
     _keep_accepted_model(run, start)
     end_of_epoch = False
@@ -199,14 +199,14 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
         if scope is None:
             continue
         yield from _average(run, scope)
-        if end_of_epoch:
-            break  # the epoch's end saves
-        if run.run_dir is not None and (
-                run.stopped or run.progress.rounds % run.cfg.checkpoint_every == 0):
+        # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
+        # after it (they took seconds on a class corpus), only the checkpoint to resume from.
+        if run.run_dir is not None and (run.stopped or (
+                not end_of_epoch and run.progress.rounds % run.cfg.checkpoint_every == 0)):
             yield _save(run)
-        if run.stopped:
-            break
-    return end_of_epoch or not run.stopped
+        if run.stopped or end_of_epoch:
+            break  # an epoch's end saves in _end_epoch
+    return not run.stopped
 
 
 def _keep_accepted_model(run: _RankRun, start: int) -> None:
@@ -312,7 +312,9 @@ def _newbob_decides(run: _RankRun) -> Iterator[Event]:
 
 def _run_finished(run: _RankRun) -> RunFinished:
     progress = run.progress
-    if run.cv_step != progress.step:  # stopped mid-epoch or resumed at the end
+    # Resumed at the end: CV of the final model. A stopped run keeps its last epoch's CV (NaN
+    # before the first epoch end): the user asked for the run to end now.
+    if run.cv_step != progress.step and not run.stopped:
         run.cv_loss, run.cv_acc = _global_cv(run)
     return RunFinished(
         rank=run.comm.rank, step=progress.step,

@@ -45,7 +45,7 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
             log = open(out.parent / f"{name}.log", "ab")
             print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log.name})", flush=True)
             recorded = ["--recorded", str(results.resolve())] if results and results.is_file() else []
-            proc = subprocess.Popen([sys.executable, "-m", "labavg.cli", "sweep", str(file.resolve()),
+            proc = subprocess.Popen([sys.executable, "-m", "labavg", "sweep", str(file.resolve()),
                                      "--out", str(out.resolve()), *recorded], cwd=cwd, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             running.append((name, proc, log))

@@ -1,0 +1,196 @@
+"""The Live tab: the run on screen's curves, streamed, and its speedup line.
+
+The CV-accuracy plot (a few points per run) is fed by an `hv.streams.Pipe`; the other curves
+are `StreamedCurves`, appended to as `LiveRun.drain` collects rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import holoviews as hv
+import numpy as np
+import pandas as pd
+import panel as pn
+
+from dashboard.buffers import POINTS_PER_CURVE
+from dashboard.live import LiveRun
+from dashboard.plots import (
+    ACCURACY_RANGE,
+    PLOT_HEIGHT,
+    SpeedupPlot,
+    StreamedCurves,
+    _plot_opts,
+    count_axis,
+    load_backend,
+    rank_curves,
+)
+from dashboard.speedup import PREDICTION_NETWORK, Speedup
+
+_LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
+_SETTLE_TICKS = 3  # updates to wait after replacing the plots before streaming into them
+
+
+def speedup_text(speedup: Speedup) -> str:
+    """One or two lines on the Live tab: the speedup (the runs table's number) and the prediction."""
+    if speedup.speedup is not None:
+        head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
+                f"— {speedup.frames_per_second:,.0f} frames/s on {speedup.ranks} ranks vs "
+                f"{speedup.baseline_frames_per_second:,.0f} on 1-rank run `{speedup.baseline_name}` "
+                "(training time; any K, lr, epochs).")
+        if speedup.warning:
+            head += f" **{speedup.warning}.**"
+    elif speedup.note:
+        head = f"**Speedup: -** {speedup.note}"
+    else:
+        head = "**Speedup: -**"
+    predicted = dict(speedup.predicted)
+    if predicted:
+        shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in (8, 32) if p in predicted)
+        head += (f"  \nCost model ({PREDICTION_NETWORK.name}, a rank per machine, K={speedup.K}, "
+                 f"{speedup.predicted_from}'s costs): {shown} ranks.")
+    return head
+
+
+class LivePlots(pn.viewable.Viewer):
+    """The live plots of the run on screen; `update` streams what `LiveRun.drain` collected."""
+
+    def __init__(self, live: LiveRun, maxlen: int = POINTS_PER_CURVE, **params: Any) -> None:
+        super().__init__(**params)
+        load_backend()
+        self.live = live
+        self.maxlen = maxlen
+        names = ("loss", "divergence", "speedup", "times", "fps", "cv")
+        self.panes = {name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
+                                              linked_axes=False)
+                      for name in names}
+        self.speedup_line = pn.pane.Markdown("", sizing_mode="stretch_width", margin=(0, 10),
+                                             styles={"font-size": "0.9em"})
+        self._generation = -1
+        self._settle = 0
+        self._build(live.buffers.ranks)
+        # The old run's curves go the moment a new run replaces it, not at the next update.
+        live.param.watch(lambda _: self._new_run(), "generation")
+        self._show_speedup()
+
+    def _new_run(self) -> None:
+        if self.live.generation == self._generation:
+            return
+        if self.live.buffers.ranks == self.ranks:
+            self._generation = self.live.generation
+            self._clear()
+        else:
+            self._build(self.live.buffers.ranks)
+            self._settle = _SETTLE_TICKS
+        self._show_speedup()
+
+    def _clear(self) -> None:
+        for curves in (self.loss, self.divergence, self.times, self.fps):
+            curves.clear()
+        self.cv_pipe.send(self._cv_frame([]))
+        self._cv_count = 0
+
+    @staticmethod
+    def _cv_frame(rows: list) -> pd.DataFrame:
+        cv = np.asarray(rows, dtype=float).reshape(-1, 3)
+        return pd.DataFrame({"epoch": cv[:, 0] + 1, "cv_acc_pct": 100 * cv[:, 1],
+                             "train_acc_pct": 100 * cv[:, 2]})
+
+    def _build(self, ranks: int) -> None:
+        """New plots for a run of `ranks` ranks."""
+        self.ranks = ranks
+        self._generation = self.live.generation
+        legend = ranks <= _LEGEND_MAX_RANKS
+        self.loss = StreamedCurves("step", rank_curves("loss", ranks), self.maxlen, "Training loss per rank",
+                                   "step (minibatches)", "loss (nats/frame)", legend, **count_axis())
+        self.divergence = StreamedCurves("round", rank_curves("div", ranks), self.maxlen,
+                                         "Divergence per rank", "averaging round",
+                                         "relative RMS distance", legend, **count_axis())
+        self.times = StreamedCurves(
+            "round", [("compute_s", "compute", {"color": "#1f77b4"}), ("comm_s", "communication", {"color": "#d62728"})],
+            self.maxlen, "Compute vs comm", "averaging round", "seconds per round", legend_position="top_left",
+            **count_axis())
+        self.fps = StreamedCurves("round", [("frames_per_s", "all ranks", {"color": "#2ca02c"})], self.maxlen,
+                                  "Frames/s (all ranks)", "averaging round", "frames/s", legend=False,
+                                  **count_axis())
+        self.speedup = SpeedupPlot()
+        self.cv_pipe = hv.streams.Pipe(data=self._cv_frame([]))
+
+        def cv(data):
+            dim = hv.Dimension("cv_acc_pct", label="frame accuracy (%)")
+            acc = hv.Curve(data, "epoch", dim, label="CV")
+            train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy (%)"),
+                             label="train")
+            points = hv.Scatter(data, "epoch", dim)
+            # framewise: the whole frame is replaced on each epoch, so the axes must follow it.
+            return (acc.opts(color="#9467bd", framewise=True)
+                    * points.opts(color="#9467bd", size=7, framewise=True)
+                    * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
+                **_plot_opts("Frame accuracy", "epoch", "frame accuracy (%)", framewise=True,
+                             legend_position="top_left", ylim=ACCURACY_RANGE,
+                             xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
+
+        for name in ("loss", "divergence", "times", "fps", "speedup"):
+            self.panes[name].object = getattr(self, name).element
+        self.panes["cv"].object = hv.DynamicMap(cv, streams=[self.cv_pipe])
+        self._cv_count = 0
+        self._speedup_shown: Speedup | None = None
+
+    def __panel__(self) -> pn.Column:
+        """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy."""
+        p = self.panes
+        return pn.Column(
+            self.speedup_line,
+            pn.Row(p["loss"], p["divergence"], p["speedup"], sizing_mode="stretch_width"),
+            pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+        )
+
+    def _show_speedup(self) -> None:
+        if not self.live.config:
+            self.speedup_line.object = "**Speedup: -** No run on screen."
+            return
+        speedup = self.live.speedup()
+        if speedup != self._speedup_shown:
+            self._speedup_shown = speedup
+            self.speedup.show(speedup)
+        text = speedup_text(speedup)
+        if text != self.speedup_line.object:
+            self.speedup_line.object = text
+
+    def update(self) -> int:
+        """Stream the rows collected since the last call; returns how many rows were sent."""
+        if self.live.generation != self._generation:
+            self._new_run()
+        if self._settle > 0:
+            # A served page swaps in new plots a little later: until then, changes to their
+            # bokeh models reach the browser before the models do ("reference isn't known").
+            # The rows wait in the state's buffers meanwhile.
+            self._settle -= 1
+            return 0
+        buffers = self.live.buffers
+        sent = 0
+        rows = buffers.loss.take()
+        if rows:
+            self.loss.stream(pd.DataFrame(rows, columns=self.loss.columns))
+            sent += len(rows)
+        div, compute, comm, fps = (s.take() for s in (buffers.divergence, buffers.compute,
+                                                       buffers.comm, buffers.fps))
+        if div:
+            self.divergence.stream(pd.DataFrame(div, columns=self.divergence.columns))
+            # The four series are filled by the same events, so their rows line up.
+            n = min(len(div), len(compute), len(comm), len(fps))
+            self.times.stream(pd.DataFrame({"round": [row[0] for row in compute[:n]],
+                                            "compute_s": [row[-1] for row in compute[:n]],
+                                            "comm_s": [row[-1] for row in comm[:n]]}))
+            self.fps.stream(pd.DataFrame({"round": [row[0] for row in fps[:n]],
+                                          "frames_per_s": [float(np.nansum(row[1:-1])) for row in fps[:n]]}))
+            sent += n
+        if len(buffers.cv) != self._cv_count:
+            self._cv_count = len(buffers.cv)
+            frame = self._cv_frame(list(buffers.cv))
+            self.cv_pipe.send(frame)
+            sent += len(frame)
+        self._show_speedup()
+        return sent
+
+

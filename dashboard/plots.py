@@ -1,0 +1,311 @@
+"""The dashboard's HoloViews plots: streamed live curves, the speedup plot, and the plots of
+past runs (scaling, communication, overlay).
+
+Live curves are HoloViews (bokeh) plots built once and then streamed: each update appends only
+the new rows to bokeh's ColumnDataSources (`ColumnDataSource.stream`, rolling over at
+`POINTS_PER_CURVE` points per curve), so old points are never re-sent or re-rendered. One row
+carries every rank's value at a step (or averaging round), so 32 ranks cost one append, not 32.
+The runs overlay and scaling plots are redrawn when the runs table changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import holoviews as hv
+import numpy as np
+import pandas as pd
+from bokeh.models import BasicTicker, FixedTicker, NumeralTickFormatter
+
+from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, Speedup
+
+PLOT_HEIGHT = 215
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+            "#7f7f7f", "#bcbd22", "#17becf")
+
+
+
+def load_backend() -> None:
+    """Make bokeh HoloViews' plotting backend (no notebook output, unlike hv.extension)."""
+    import holoviews.plotting.bokeh  # noqa: F401 - registers the bokeh renderer
+
+    hv.Store.set_current_backend("bokeh")
+
+
+# Legends small enough to leave a third-of-the-page plot mostly visible.
+_LEGEND = {"label_text_font_size": "8pt", "glyph_height": 12, "glyph_width": 16, "spacing": 0,
+           "padding": 4, "margin": 4, "background_fill_alpha": 0.7}
+
+
+def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, Any]:
+    # No active wheel zoom: the mouse wheel over a plot scrolls the page (the zoom stays in
+    # the toolbar, one click away).
+    return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
+                show_grid=True, toolbar="above", legend_opts=_LEGEND, active_tools=["pan"],
+                **{"framewise": False, **extra})
+
+
+# What hover tooltips call the columns (not their names in the data, like mb_sent).
+DIMENSIONS = {name: hv.Dimension(name, label=label) for name, label in {
+    "mb_sent": "MB sent per rank", "cv_acc_pct": "CV frame accuracy (%)", "wer_pct": "WER (%)",
+    "speedup": "speedup (×)", "efficiency": "efficiency (%)", "baseline": "1-rank baseline",
+    "run": "run", "K": "K", "ranks": "ranks"}.items()}
+
+
+def _dims(*names: str) -> list[hv.Dimension]:
+    return [DIMENSIONS[name] for name in names]
+
+
+def count_axis() -> dict[str, Any]:
+    """x-axis options for counts (steps, rounds, epochs): ticks on whole numbers only, and
+    thousands as 12,000 (bokeh's default turns them into colliding 1.000e+4 labels)."""
+    return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0),
+            "xformatter": NumeralTickFormatter(format="0,0")}
+
+
+def frames_axis() -> dict[str, Any]:
+    """x-axis options for frame counts: 500k, 1.2m, from 0 (one CV point alone would get a
+    range of a few frames, ticked 6.1k 6.1k 6.1k)."""
+    return {"xformatter": NumeralTickFormatter(format="0.[0]a"), "xlim": (0, None)}
+
+
+ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
+
+
+def rank_curves(prefix: str, ranks: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(column, label, style) of one thin curve per rank and a thick black mean."""
+    thin = [(f"{prefix}_r{r}", f"rank {r}", {"color": _PALETTE[r % len(_PALETTE)], "line_width": 1,
+                                             "alpha": 0.7}) for r in range(ranks)]
+    return [*thin, (f"{prefix}_mean", "mean", {"color": "black", "line_width": 2.5})]
+
+
+def rank_columns(prefix: str, ranks: int) -> list[str]:
+    """Column names of one quantity's per-rank values and their mean."""
+    return [f"{prefix}_r{r}" for r in range(ranks)] + [f"{prefix}_mean"]
+
+
+class StreamedCurves:
+    """Curves over one x column: drawn once by HoloViews, then streamed straight into bokeh.
+
+    A HoloViews Buffer/DynamicMap update re-runs the callback and rebuilds, re-styles and
+    re-ranges every element: with 32 ranks (33 curves) that took 1.2-1.5 s per update, and
+    0.2-0.4 s even for a 2-curve plot, on this 2-core machine (benchmarks/bench_dashboard.py).
+    Here HoloViews builds the plot once; a hook keeps each curve's bokeh ColumnDataSource,
+    and `stream` appends only the new rows with bokeh's `ColumnDataSource.stream` (what a
+    HoloViews Buffer does in the end), rolling over at `maxlen` points per curve.
+    """
+
+    def __init__(self, x: str, curves: list[tuple[str, str, dict[str, Any]]], maxlen: int,
+                 title: str, xlabel: str, ylabel: str, legend: bool = True,
+                 legend_position: str = "top_right", **axis: Any) -> None:
+        self.x, self.maxlen = x, maxlen
+        self.columns = [x, *(column for column, _, _ in curves)]
+        self.data = pd.DataFrame({c: [] for c in self.columns}, dtype=float)
+        self.sources: dict[str, list] = {}
+        self.figures: list = []
+        elements = [hv.Curve(self.data, x, hv.Dimension(column, label=ylabel), label=label).opts(
+                        hooks=[self._capture], **style)
+                    for column, label, style in curves]
+        self.element = hv.Overlay(elements).opts(
+            **_plot_opts(title, xlabel, ylabel, show_legend=legend, legend_position=legend_position,
+                         **axis))
+
+    def _capture(self, plot, element) -> None:
+        column = element.vdims[0].name
+        source = plot.handles["source"]
+        if all(plot.state is not f for f in self.figures):
+            self.figures.append(plot.state)
+        # A plot rendered after data arrived (a notebook cell shown later) starts with it.
+        source.data = {self.x: self.data[self.x].to_numpy(), column: self.data[column].to_numpy()}
+        self.sources.setdefault(column, []).append(source)
+
+    def stream(self, rows: pd.DataFrame) -> None:
+        """Append rows (columns `self.columns`) to every rendered curve."""
+        self.data = pd.concat([self.data, rows], ignore_index=True).iloc[-self.maxlen:]
+        xs = rows[self.x].to_numpy()
+        for column, sources in self.sources.items():
+            values = rows[column].to_numpy()
+            for source in sources:
+                source.stream({self.x: xs, column: values}, rollover=self.maxlen)
+        self._fit_ranges()
+
+    def clear(self) -> None:
+        """Empty every curve (a new run of as many ranks reuses the plots)."""
+        self.data = self.data.iloc[0:0]
+        for column, sources in self.sources.items():
+            for source in sources:
+                source.data = {self.x: np.array([], dtype=float), column: np.array([], dtype=float)}
+
+    def _fit_ranges(self) -> None:
+        """Fit the axes to the data held (the plot's ranges were fixed when it was empty)."""
+        x = self.data[self.x].to_numpy()
+        y = self.data[self.columns[1:]].to_numpy()
+        if not np.isfinite(y).any():
+            return
+        x0, x1 = float(np.nanmin(x)), float(np.nanmax(x))
+        y0, y1 = float(np.nanmin(y)), float(np.nanmax(y))
+        pad = 0.05 * (y1 - y0) or 0.5 * abs(y1) or 1.0
+        for figure in self.figures:
+            figure.x_range.update(start=x0, end=x1 if x1 > x0 else x0 + 1)
+            figure.y_range.update(start=y0 - pad, end=y1 + pad)
+
+
+SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+
+
+class SpeedupPlot:
+    """Speedup against ranks: the ideal, the cost model's prediction and the run's own point.
+
+    Drawn once per run; `show` replaces the two small data sources' contents (a handful of
+    points), so the page gets a few numbers per update rather than a new plot.
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[str, list] = {"predicted": [], "measured": []}
+        self.figures: list = []
+        self.data = {"predicted": ([], []), "measured": ([], [])}
+        xs = list(PREDICTED_RANKS)
+        ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(
+            color="gray", line_dash="dashed")
+        predicted = hv.Curve(([], []), "ranks", hv.Dimension("predicted", label="speedup"),
+                             label=f"cost model, {PREDICTION_NETWORK.name}").opts(
+            color="#1f77b4", hooks=[self._capture])
+        predicted_points = hv.Scatter(([], []), "ranks", hv.Dimension("predicted", label="speedup")).opts(
+            color="#1f77b4", size=5, hooks=[self._capture])
+        measured = hv.Scatter(([], []), "ranks", hv.Dimension("measured", label="speedup"),
+                              label="this run").opts(color="#d62728", size=12, marker="diamond",
+                                                     hooks=[self._capture])
+        ticks = FixedTicker(ticks=list(SPEEDUP_TICKS))
+        self.element = (ideal * predicted * predicted_points * measured).opts(
+            **_plot_opts("Speedup vs 1 rank", "ranks", "speedup (×)",
+                         legend_position="bottom_right", logx=True, logy=True,
+                         xlim=(0.9, 70), ylim=(0.1, 80), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
+                         yticks=ticks, yformatter=NumeralTickFormatter(format="0.[000]")))
+
+    def _capture(self, plot, element) -> None:
+        column = element.vdims[0].name
+        source = plot.handles["source"]
+        xs, ys = self.data[column]
+        source.data = {"ranks": np.asarray(xs, dtype=float), column: np.asarray(ys, dtype=float)}
+        self.sources[column].append(source)
+
+    def show(self, speedup: Speedup) -> None:
+        """Put the prediction and the measured point of `speedup` into the plot."""
+        predicted = ([p for p, _ in speedup.predicted], [v for _, v in speedup.predicted])
+        measured = (([speedup.ranks], [speedup.speedup]) if speedup.speedup is not None
+                    else ([], []))
+        for column, value in (("predicted", predicted), ("measured", measured)):
+            if self.data[column] == value:
+                continue
+            self.data[column] = value
+            for source in self.sources[column]:
+                source.data = {"ranks": np.asarray(value[0], dtype=float),
+                               column: np.asarray(value[1], dtype=float)}
+
+
+def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
+    """Speedup and parallel efficiency vs number of ranks of the finished runs, with the ideal."""
+    frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run", "baseline"])
+    top = max([2, *frame["ranks"].tolist()])
+    xs = list(range(1, top + 1))
+    ranks_axis = {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0), "xlim": (0.5, top + 0.5)}
+    ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(color="gray", line_dash="dashed")
+    speedup = hv.Scatter(frame, "ranks", _dims("speedup", "K", "run", "baseline"), label="runs").opts(
+        size=9, color="#1f77b4", tools=["hover"])
+    ideal_eff = hv.Curve((xs, [100.0] * len(xs)), "ranks", "efficiency", label="ideal").opts(
+        color="gray", line_dash="dashed")
+    efficiency = hv.Scatter(frame.assign(efficiency=100 * frame["efficiency"].astype(float)), "ranks",
+                            _dims("efficiency", "K", "run", "baseline"), label="runs").opts(
+        size=9, color="#ff7f0e", tools=["hover"])
+    return (
+        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank (frames/s)", "ranks",
+                                            "speedup (×)",
+                                            legend_position="top_left", **ranks_axis))
+        + (ideal_eff * efficiency).opts(**_plot_opts("Parallel efficiency", "ranks",
+                                                     "efficiency (%)",
+                                                     legend_position="bottom_left", ylim=(0, 110),
+                                                     **ranks_axis))
+    ).opts(shared_axes=False)
+
+
+_MARKERS = ("circle", "triangle", "square", "diamond", "inverted_triangle", "hex")
+
+
+def communication_plot(points: list[dict[str, Any]],
+                       one_rank: dict[str, float | None] | None = None) -> hv.Layout:
+    """CV frame accuracy and WER of the finished multi-rank runs against the megabytes each
+    rank sent (log scale): one colour per averaging method and payload, one marker per number
+    of ranks; `one_rank` ({"cv_acc_pct": ..., "wer_pct": ...}) draws a 1-rank run's results as
+    dashed lines, what averaging would ideally keep."""
+    frame = pd.DataFrame(points, columns=["method", "payload", "ranks", "K", "mb_sent",
+                                          "cv_acc_pct", "wer_pct", "run"])
+    frame["payload"] = frame["payload"].fillna("fp32")
+    frame["sends"] = frame["method"] + frame["payload"].map(lambda p: "" if p == "fp32" else f" {p}")
+    kinds = sorted(set(frame["sends"]))
+    ranks = sorted(set(frame["ranks"]))
+    acc, wer = [], []
+    for (sends, n), group in frame.groupby(["sends", "ranks"], sort=True):
+        style = {"color": _PALETTE[kinds.index(sends) % len(_PALETTE)],
+                 "marker": _MARKERS[ranks.index(n) % len(_MARKERS)], "size": 9, "tools": ["hover"]}
+        label = f"{sends}, {n} ranks"
+        acc.append(hv.Scatter(group, DIMENSIONS["mb_sent"], _dims("cv_acc_pct", "K", "run"),
+                              label=label).opts(**style))
+        decoded = group.dropna(subset=["wer_pct"])
+        if len(decoded):
+            wer.append(hv.Scatter(decoded, DIMENSIONS["mb_sent"], _dims("wer_pct", "K", "run"),
+                                  label=label).opts(**style))
+    if not acc:
+        acc = [hv.Scatter([], "mb_sent", "cv_acc_pct")]
+    wer_title = "WER vs bytes sent (decoded runs)"
+    if not wer:
+        # Said in the title: an empty plot alone reads as a broken one.
+        wer = [hv.Scatter([], "mb_sent", "wer_pct")]
+        wer_title = "WER: no decoded run yet"
+    for layers, key in ((acc, "cv_acc_pct"), (wer, "wer_pct")):
+        if one_rank and one_rank.get(key) is not None:
+            layers.append(hv.HLine(one_rank[key]).opts(color="gray", line_dash="dashed"))
+    x = "MB sent per rank (all rounds, log scale)"
+    sent = frame["mb_sent"].astype(float)
+    # Bokeh's own log ticks collide (40 50 60) or, within a decade, leave one "10^0": ticks at
+    # 1-2-5 steps written as numbers, over the data's range (an empty plot's too, which bokeh
+    # left at a range whose one tick sat under the legend).
+    ticks = {"xticks": FixedTicker(ticks=[0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50,
+                                          100, 200, 500, 1000, 2000, 5000]),
+             "xformatter": NumeralTickFormatter(format="0.[00]"),
+             "xlim": (float(sent.min()) / 1.5, float(sent.max()) * 1.5) if len(sent) else (0.1, 10)}
+    return (
+        # Legends beside the plots: the points that sent the most sit at the right edge.
+        hv.Overlay(acc).opts(**_plot_opts("CV frame accuracy vs bytes sent", x, "frame accuracy (%)",
+                                          logx=True, legend_position="right", **ticks))
+        + hv.Overlay(wer).opts(**_plot_opts(wer_title, x, "WER (%)",
+                                            logx=True, legend_position="right", **ticks))
+    ).opts(shared_axes=False)
+
+
+def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
+    """Mean training loss, divergence and CV accuracy of the selected runs, by frames trained;
+    each run's legend names what sets it apart from the others (`RunTable.overlay`)."""
+    losses, divs, accs = [], [], []
+    for i, (name, c) in enumerate(curves.items()):
+        color = _PALETTE[i % len(_PALETTE)]
+        label = c.get("label", name)
+        losses.append(hv.Curve((c["frames"], c["loss"]), "frames", "loss", label=label).opts(color=color))
+        divs.append(hv.Curve((c["div_frames"], c["divergence"]), "frames", "divergence",
+                             label=label).opts(color=color))
+        accs.append(hv.Curve((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc", label=label).opts(color=color)
+                    * hv.Scatter((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc").opts(color=color, size=6))
+    if not losses:
+        losses = [hv.Curve([], "frames", "loss")]
+        divs = [hv.Curve([], "frames", "divergence")]
+        accs = [hv.Curve([], "frames", "cv_acc")]
+    x = "frames trained (all ranks)"
+    return (
+        hv.Overlay(losses).opts(**_plot_opts("Mean training loss", x, "loss (nats/frame)",
+                                             legend_position="top_right", **frames_axis()))
+        + hv.Overlay(divs).opts(**_plot_opts("Divergence (mean of ranks)", x,
+                                             "relative RMS distance", legend_position="top_right",
+                                             **frames_axis()))
+        + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy", x, "frame accuracy (%)",
+                                             legend_position="top_left", ylim=ACCURACY_RANGE,
+                                             **frames_axis()))
+    ).opts(shared_axes=False).cols(3)
+

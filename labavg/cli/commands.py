@@ -1,0 +1,239 @@
+"""What each `labavg` command does: thin calls into the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from labavg.base.errors import PeerFailed, UserError
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from labavg.data.synth import synthesize
+
+    info = synthesize(args.out_dir, hours=args.hours, seed=args.seed, overwrite=args.overwrite,
+                      dev_hours=args.dev_hours, test_hours=args.test_hours)
+    print(f"wrote {info.out_dir}: {info.hours:.2f} h of speech, {info.num_utts} utterances from "
+          f"{info.num_speakers} speakers, {info.num_frames:,} frames of {info.feat_dim} features, "
+          f"{info.num_phones} phones, {info.num_pdfs} pdfs (seed {info.seed}, "
+          f"{info.seconds_taken:.0f} s)")
+    return 0
+
+
+def _dest(flag) -> str:
+    return "setting:" + flag.key
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    import tomllib
+
+    overrides = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = raw  # a bare word: take it as a string
+    return overrides
+
+
+def train_config(args: argparse.Namespace):
+    """Defaults, then the TOML file (or the resumed run's config), then the flags."""
+    from labavg.training.config import TrainConfig, cli_flags, load_config, validate
+    from labavg.base.settings import with_overrides
+    from labavg.jobs.run_dir import load_config_of
+
+    if args.resume:
+        cfg = load_config_of(Path(args.resume))
+    elif args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = TrainConfig()
+    overrides = {}
+    for flag in cli_flags():
+        value = getattr(args, _dest(flag))
+        if value is not None and value is not False:  # only flags the user gave override
+            overrides[flag.key] = value
+    overrides.update(_parse_set(args.set))
+    if args.resume:
+        overrides["out"] = args.resume
+        # A fault is injected once: the resumed run is the recovery from it.
+        overrides.setdefault("inject_fault", None)
+    return validate(with_overrides(cfg, overrides))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from labavg.comm.launchers import detect_launcher, launcher_rank
+    from labavg.jobs.launch import JobFailed, rank_config, start_run
+    from labavg.jobs.summary import format_table
+    from labavg.jobs.runs import run_training
+
+    try:
+        if args.config_json:  # a rank of a job labavg.jobs.launch started
+            cfg, resume, stop_file = rank_config(args.config_json)
+        else:
+            cfg, resume, stop_file = train_config(args), bool(args.resume), None
+    except UserError as exc:
+        if detect_launcher() is not None and launcher_rank() > 0:
+            # Every rank parses the same flags and files: rank 0 alone says what is wrong.
+            raise PeerFailed(str(exc)) from None
+        raise
+    progress = not args.no_progress
+    if cfg.backend == "torch" and detect_launcher() == "mpi":
+        raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
+    if detect_launcher() is not None or args.config_json:
+        # This process is one rank of a job that mpiexec, srun, torchrun or labavg started.
+        should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
+        summary = run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
+                               allow_pipes=args.allow_pipes)
+    else:
+        try:
+            summary = start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
+                                hosts=args.hosts, progress=progress,
+                                launcher=args.launcher).wait()
+        except JobFailed as exc:  # its ranks have said why
+            return exc.code
+    if summary is not None and not args.config_json:  # a rank labavg started: its parent says it
+        print(format_table([{"run": cfg.out, **summary}]))
+        written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
+        print(f"run directory: {cfg.out}  ({written})")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.app import serve
+
+    print(f"labavg dashboard: http://{args.address}:{args.port}/app (Ctrl-C stops it)")
+    serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
+          address=args.address, data=args.data)
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from labavg.studies.reproduction.pipeline import reproduce
+
+    if args.parallel < 1:
+        raise UserError(f"--parallel must be >= 1, got {args.parallel}")
+    command = ("labavg reproduce " + " ".join(sys.argv[2:])).strip()
+    out, experiments, report = Path(args.out), Path(args.experiments), Path(args.report)
+    figure = Path(args.figure) if args.figure else None
+    if args.tiny:
+        from labavg.studies.reproduction.sweep_files import tiny_experiments
+
+        for name in ("paper.toml", "regime.toml"):
+            if not (experiments / name).is_file():
+                raise UserError(f"{experiments / name}: no such sweep file (--experiments DIR)")
+        experiments = tiny_experiments(experiments, out / "experiments")
+        if args.report == "REPRODUCTION.md":  # never overwrite the real report with a tiny one
+            report = out / "REPRODUCTION.md"
+        figure = figure or out / "regime-map.png"
+    path = reproduce(out, experiments=experiments, yesno=Path(args.yesno) if args.yesno else None,
+                     report=report, figure=figure, parallel=args.parallel, mpi=not args.no_mpi,
+                     train=not args.report_only, command=command)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from labavg.studies.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    recorded = None
+    if args.recorded:
+        from labavg.studies.reproduction.results import read_results_file
+
+        runs = read_results_file(Path(args.recorded)).get(Path(args.sweep_file).stem, [])
+        recorded = {r.name: {"settings": r.settings, "summary": r.summary} for r in runs}
+    rows = run_sweep(sweep, Path(args.out), recorded=recorded)
+    print((Path(args.out) / "results.md").read_text())
+    print(f"{len(rows)} runs in {args.out}/runs; tables in {args.out}/results.csv and results.md")
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from labavg.decode.decoder import DEFAULT_BEAM
+    from labavg.decode.run import DEFAULT_ACWTS, decode_run, format_result
+
+    summary = decode_run(args.run_dir, args.data, dev=args.dev, lang_dir=args.lang,
+                         lexicon=args.lexicon, lm=args.lm, acwts=tuple(args.acwt or DEFAULT_ACWTS),
+                         beam=args.beam if args.beam is not None else DEFAULT_BEAM)
+    print(format_result(summary))
+    print(f"decode directory: {Path(args.run_dir) / ('decode_' + summary['set'])}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from labavg.decode.compare import compare_decodes, format_comparison
+
+    a, b, comparison = compare_decodes(args.run_a, args.run_b, args.set_name)
+    if args.json:
+        print(json.dumps({"set": args.set_name, "run_a": str(a.run_dir), "run_b": str(b.run_dir),
+                          "acwt_a": a.acwt, "acwt_b": b.acwt, **comparison.to_dict()}, indent=2))
+    else:
+        print(format_comparison(a, b, comparison, args.set_name))
+    return 0
+
+
+def _runs_under(path: str) -> list[Path]:
+    """`path` if it is a run, else every run below it (a run's own subfolders are not searched)."""
+    import re
+
+    from labavg.jobs.index import CONFIG, SUMMARY
+
+    top = Path(path)
+    if not top.exists():
+        raise UserError(f"{path}: no such run or directory")
+    if not top.is_dir():
+        raise UserError(f"{path}: not a run directory (a run is a directory with {CONFIG} or {SUMMARY})")
+    # Sweeps name runs ranks_1, ranks_2, ..., ranks_16: compare their numbers as numbers.
+    natural = lambda name: [(0, int(t), "") if t.isdigit() else (1, 0, t)  # noqa: E731
+                            for t in re.split(r"(\d+)", name)]
+    found = []
+    for here, dirs, files in os.walk(top):
+        if CONFIG in files or SUMMARY in files:
+            found.append(Path(here))
+            dirs[:] = []
+        else:
+            dirs.sort(key=natural)
+    if not found:
+        raise UserError(f"{path}: no labavg run in it or below it (no {CONFIG} or {SUMMARY})")
+    return found
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from labavg.jobs.index import CONFIG, SUMMARY, read_json
+    from labavg.jobs.summary import format_table
+    from labavg.jobs.runs import read_summary
+
+    run_dirs, seen = [], set()
+    for path in args.run_dirs:
+        for run_dir in _runs_under(path):
+            if run_dir.resolve() not in seen:
+                seen.add(run_dir.resolve())
+                run_dirs.append(run_dir)
+    summaries, rows = [], []
+    for run_dir in run_dirs:
+        if (run_dir / SUMMARY).exists():
+            summary = {"run": str(run_dir), **read_summary(run_dir)}
+            row = summary
+        else:  # started, not ended: its settings are known, its results not yet
+            config = read_json(run_dir / CONFIG)
+            if not isinstance(config, dict):
+                raise UserError(f"{run_dir / CONFIG}: not a JSON object")
+            summary = {"run": str(run_dir), "status": "running/incomplete", "config": config}
+            row = {"run": f"{run_dir} (running/incomplete)", "config": config}
+        summaries.append(summary)
+        rows.append(row)
+    if args.json:
+        # One run named by itself prints its object, as before; anything searched is a list.
+        single = len(summaries) == 1 and len(args.run_dirs) == 1 and run_dirs[0] == Path(args.run_dirs[0])
+        print(json.dumps(summaries[0] if single else summaries, indent=2))
+    else:
+        print(format_table(rows))
+    return 0
