@@ -101,28 +101,36 @@ def draw(out: Path) -> Path:
 
     known = sorted(m for m in modules() if m not in ("labavg", "dashboard"))
     arrows = layer_arrows()
-    fig, ax = plt.subplots(figsize=(13, 9))
-    ax.set_xlim(0, 13), ax.set_ylim(-0.2, len(LAYERS)), ax.axis("off")
-    for level, names in enumerate(LAYERS):
+    rows = []  # (names, their member texts, row height)
+    for names in LAYERS:
         width = 9.0 / len(names)
-        for i, name in enumerate(names):
+        texts = [_wrap(", ".join(_grouped([m[len(n) + 1:] for m in known
+                                          if m.startswith(n + ".")])), int(width * 12))
+                 for n in names]
+        rows.append((names, texts, 0.45 + 0.17 * max(t.count("\n") + 1 for t in texts)))
+    total = sum(h for *_, h in rows) + 0.1 * len(rows)
+    fig, ax = plt.subplots(figsize=(13, 1.1 * total))
+    ax.set_xlim(0, 13), ax.set_ylim(0, total), ax.axis("off")
+    y = 0.0
+    for names, texts, height in rows:
+        width = 9.0 / len(names)
+        for i, (name, text) in enumerate(zip(names, texts)):
             x0 = 0.1 + i * width
-            members = [m[len(name) + 1:] for m in known if m.startswith(name + ".")]
-            folder = name.replace(".", "/") + ("/" if members else ".py")
-            ax.add_patch(plt.Rectangle((x0, level + 0.08), width - 0.15, 0.8,
+            folder = name.replace(".", "/") + ("/" if text else ".py")
+            ax.add_patch(plt.Rectangle((x0, y), width - 0.15, height,
                                        facecolor="#eef3fa", edgecolor="#34495e"))
-            ax.text(x0 + 0.1, level + 0.7, folder, weight="bold", fontsize=10, va="center")
-            ax.text(x0 + 0.1, level + 0.35, _wrap(", ".join(members), int(width * 15)),
-                    fontsize=7.5, va="center", color="#2c3e50")
+            ax.text(x0 + 0.1, y + height - 0.18, folder, weight="bold", fontsize=10, va="center")
+            ax.text(x0 + 0.1, y + (height - 0.3) / 2, text, fontsize=7.5, va="center",
+                    color="#2c3e50")
         below = Counter()
-        for name in names:
-            for (a, b), n in arrows.items():
-                if a == name:
-                    below[b] += n
-        text = ", ".join(f"{b.replace('labavg.', '')} ({n})" for b, n in
+        for (a, b), n in arrows.items():
+            if a in names:
+                below[b] += n
+        said = ", ".join(f"{b.replace('labavg.', '')} ({n})" for b, n in
                          sorted(below.items(), key=lambda kv: -layer(kv[0])[0]))
-        ax.text(9.25, level + 0.48, _wrap("imports " + text, 52) if text else "imports nothing "
-                "of the project", fontsize=8, va="center", color="#555555")
+        ax.text(9.25, y + height / 2, _wrap("imports " + said, 52) if said else
+                "imports nothing of the project", fontsize=8, va="center", color="#555555")
+        y += height + 0.1
     ax.set_title("labavg's layers, lowest at the bottom: each imports only from layers below it\n"
                  "(right: the layers it imports, with the number of import statements)",
                  fontsize=11)
@@ -132,10 +140,23 @@ def draw(out: Path) -> Path:
     return out
 
 
+def _grouped(members: list[str]) -> list[str]:
+    """'reproduction.beyond', 'reproduction.paper' -> 'reproduction/{beyond, paper}'."""
+    out, sub = [], {}
+    for m in members:
+        head, _, tail = m.partition(".")
+        if tail:
+            sub.setdefault(head, []).append(tail)
+        elif m not in sub:
+            out.append(m)
+    out = [m for m in out if m not in sub]
+    return out + [f"{head}/{{{', '.join(tails)}}}" for head, tails in sub.items()]
+
+
 def _wrap(text: str, width: int) -> str:
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, max(width, 20))[:3])
+    return "\n".join(textwrap.wrap(text, max(width, 20)))
 
 
 if __name__ == "__main__":
