@@ -196,6 +196,7 @@ def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corp
     assert summary["average_every"] == 8 and summary["steps"] > 0
 
 
+@pytest.mark.slow
 def test_kill_recovers_engines_hung_in_a_collective(cluster, corpus, tmp_path):
     # rank 0 alone enters a barrier: its engine blocks in MPI and answers nothing any more
     hung = cluster.client[cluster.engine_ids[0]].execute(
@@ -228,6 +229,7 @@ def test_shutdown_of_engines_hung_in_mpi_says_so_and_leaves_no_processes(cluster
     assert len(said) == 1 and f"[{hung}]" in said[0]
 
 
+@pytest.mark.slow
 def test_a_normal_shutdown_in_a_notebook_prints_nothing(corpus, tmp_path):
     """As notebook 03 ends: after a run, shutdown() in an IPython kernel's running event loop."""
     script = Path(__file__).parent / "cluster_scripts" / "notebook_shutdown.py"

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# The dashboard in headless chromium at 1366 x 768 (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "tests" / "artifacts"

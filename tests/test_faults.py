@@ -111,6 +111,7 @@ def test_mpi_rank_failure_ends_the_job(corpus, tmp_path, kind, step):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_mpi_run_killed_then_resumed_matches_uninterrupted(corpus, tmp_path):
     common = ["--data", str(corpus), "--ranks", "2", "--backend", "mpi", *SMALL, "--epochs", "2",
               "--checkpoint-every", "1"]
@@ -205,6 +206,7 @@ def _train_cli(corpus: Path, out: Path, *extra: str) -> subprocess.Popen:
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_inproc_hang_ends_within_the_watchdogs_time(corpus, tmp_path):
     """A hung in-process worker used to cost the watchdog's time twice (250 s at the default
     120 s): once for the collective, once more waiting for the hung thread to finish."""
@@ -221,6 +223,7 @@ def test_inproc_hang_ends_within_the_watchdogs_time(corpus, tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_stopped_rank_ends_the_job_in_one_line(corpus, tmp_path):
     """A SIGSTOPped rank ignores the SIGTERM torchrun sends once its peer's watchdog exits;
     torchrun used to wait 30 s more, then end with its own traceback and exit status 1."""

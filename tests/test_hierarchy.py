@@ -308,9 +308,9 @@ def test_cli_bad_hierarchy_settings_exit_2_with_one_line(tmp_path, args, named):
 def test_make_averager_wraps_only_with_a_hierarchy():
     def work(comm):
         flat = torch.zeros(4)
-        plain = make_averager(TrainConfig(ranks=4), flat, comm)
+        plain = make_averager(TrainConfig(ranks=4).averaging_plan(), flat, comm)
         cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2))
-        hier = make_averager(cfg, flat, comm)
+        hier = make_averager(cfg.averaging_plan(), flat, comm)
         return type(plain), type(hier), hier.node.size, hier.every, hier.every_all
 
     assert run_inproc(4, work) == [(Averager, HierarchicalAverager, 2, 5, 20)] * 4
@@ -323,8 +323,8 @@ def test_averagers_describe_what_the_run_reports():
         int4 = TrainConfig(ranks=4, payload="int", payload_bits=4, error_feedback=False)
         cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2),
                           averaging="bmuf")
-        return (make_averager(int4, flat, comm).describe(flat),
-                make_averager(cfg, flat, comm).describe(flat))
+        return (make_averager(int4.averaging_plan(), flat, comm).describe(flat),
+                make_averager(cfg.averaging_plan(), flat, comm).describe(flat))
 
     plain, hier = run_inproc(4, work)[0]
     assert (plain.averaging, plain.payload, plain.hierarchy_every, plain.node_ranks) == (

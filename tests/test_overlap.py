@@ -274,7 +274,7 @@ def test_overlap_averager_describes_its_fragments():
 
     def work(comm):
         flat = torch.zeros(10)
-        return make_averager(cfg, flat, comm, sizes=[4, 6]).describe(flat)
+        return make_averager(cfg.averaging_plan(), flat, comm, sizes=[4, 6]).describe(flat)
 
     info = run_inproc(2, work)[0]
     assert (info.averaging, info.payload, info.overlap) == ("diloco", "fp32", "streaming")

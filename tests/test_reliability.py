@@ -151,6 +151,7 @@ def test_error_on_every_rank_is_printed_once(corpus, tmp_path, flags, says):
 # -- the watchdog ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hang_fault_is_ended_by_the_watchdog(corpus, tmp_path):
     out = tmp_path / "run"
     start = time.monotonic()
@@ -164,6 +165,7 @@ def test_hang_fault_is_ended_by_the_watchdog(corpus, tmp_path):
     assert len([l for l in proc.stderr.splitlines() if l.startswith("labavg: error:")]) == 1
 
 
+@pytest.mark.slow
 def test_stopped_rank_is_named_by_the_watchdog(corpus, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -185,6 +187,7 @@ def test_stopped_rank_is_named_by_the_watchdog(corpus, tmp_path):
         _clean_up(proc, [victim] if victim is not None else [])
 
 
+@pytest.mark.slow
 def test_torchrun_hang_is_ended_by_the_watchdog(corpus, tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

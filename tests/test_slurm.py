@@ -25,6 +25,9 @@ from labavg.jobs.slurm import mpich_env
 from test_reliability import poisoned_corpus  # noqa: F401 - a fixture
 from test_train import SMALL, final_params
 
+# A real Slurm: daemons started for the module, jobs through srun and sbatch (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scancel", "salloc", "squeue")
 

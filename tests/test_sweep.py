@@ -124,6 +124,7 @@ def test_a_bad_corpus_table_is_refused_naming_it(corpus, tmp_path, table, messag
     assert "[[corpus]] 1" in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_while_it_decoded_is_decoded_when_the_sweep_resumes(tmp_path):
     """The summary is written before the decode (so a failed decode keeps the training result);
     a sweep resumed after a stop in the decode must decode the run, not take it as done."""
