@@ -41,7 +41,7 @@ def number_box(settings: RunSettings, name: str, placeholder: str = "") -> pn.wi
     """A text box for number setting `name`: what is typed is judged as typed
     (`RunSettings.type_text`), so "0,01" or "abc" are refused beside it instead of the
     browser's number box quietly making them 1 or nothing; a preset's value shows in it."""
-    box = pn.widgets.TextInput(name=settings.label(name), placeholder=placeholder,
+    box = pn.widgets.TextInput(label=settings.label(name), placeholder=placeholder,
                                value=_number_text(getattr(settings, name)))
     box.param.watch(lambda e: settings.type_text(name, e.new), "value_input")
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -89,3 +90,13 @@ def stopped_then_resumed(cfg, at_step: int = 4) -> tuple[dict, dict]:
     stopped = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
     (Path(cfg.out) / "summary.json").unlink()
     return stopped, run_training(cfg, resume=True, progress=False)
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
+    """Return once `predicate()` holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -33,6 +33,7 @@ from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
 from labavg.training.runner import train
 
+from support import wait_for
 from test_train import small_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,15 +52,6 @@ def _train_args(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _rank_pids(run_dir: Path) -> dict[int, int]:
@@ -175,7 +167,7 @@ def test_stopped_rank_is_named_by_the_watchdog(corpus, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     victim = None
     try:
-        _wait_for(lambda: len(_rank_pids(out)) == 2 and _max_step(out) >= 3, 60, "training")
+        wait_for(lambda: len(_rank_pids(out)) == 2 and _max_step(out) >= 3, 60, "training")
         victim = _rank_pids(out)[1]
         os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
@@ -249,11 +241,11 @@ def test_killing_the_launcher_ends_its_ranks(corpus, tmp_path, sig):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     pids = {}
     try:
-        _wait_for(lambda: len(_rank_pids(out)) == 2 and _max_step(out) >= 2, 60, "training")
+        wait_for(lambda: len(_rank_pids(out)) == 2 and _max_step(out) >= 2, 60, "training")
         pids = _rank_pids(out)
         proc.send_signal(sig)
         proc.wait(timeout=30)
-        _wait_for(lambda: not any(_alive(p) for p in pids.values()), 20,
+        wait_for(lambda: not any(_alive(p) for p in pids.values()), 20,
                   f"ranks {pids} to end after {sig.name}")
         # The run directory is free again: a resume may take it.
         with run_dir_lock(out):
@@ -270,7 +262,7 @@ def test_second_job_on_a_run_directory_is_refused(corpus, tmp_path):
                                                        "--checkpoint-every", "1")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
-        _wait_for(lambda: checkpoint.latest_step(out) is not None, 60, "a checkpoint")
+        wait_for(lambda: checkpoint.latest_step(out) is not None, 60, "a checkpoint")
         second = _cli("train", "--resume", str(out), "--no-progress", timeout=60)
         assert second.returncode == 2, second.stderr
         assert _error_lines(second.stderr) == [

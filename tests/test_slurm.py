@@ -22,6 +22,7 @@ import torch
 from labavg.base import checkpoint
 from labavg.jobs.slurm import mpich_env
 
+from support import wait_for
 from test_reliability import poisoned_corpus  # noqa: F401 - a fixture
 from test_train import SMALL, final_params
 
@@ -87,15 +88,6 @@ def _processes_of(run_dir: Path) -> list[psutil.Process]:
         if any(str(run_dir) in arg for arg in proc.info["cmdline"] or ()):
             found.append(proc)
     return found
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _job_gone(job: str, env) -> bool:
@@ -188,7 +180,7 @@ def test_sbatch_job_script_trains_and_decodes(slurm, corpus, tmp_path):
     decode = (f"{sys.executable} -m labavg decode {out} --data {corpus} "
               f"--lexicon {corpus / 'lexicon.txt'}")
     job = _sbatch(f"{train}\n{decode}\n", tmp_path, slurm)
-    _wait_for(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the job")
+    wait_for(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the job")
     log = (tmp_path / "job.log").read_text()
     assert _job_state(job, slurm) == "COMPLETED", log
     assert json.loads((out / "summary.json").read_text())["ranks"] == 2
@@ -204,12 +196,12 @@ def test_scancel_mid_run_leaves_no_rank_and_resume_matches(slurm, corpus, tmp_pa
     out = tmp_path / "cut"
     train = " ".join([sys.executable, *_train(corpus, out, 2, "--launcher", "slurm", *common)])
     job = _sbatch(f"{train}\n", tmp_path, slurm)
-    _wait_for(lambda: checkpoint.latest_step(out) is not None, 240,
+    wait_for(lambda: checkpoint.latest_step(out) is not None, 240,
               "a checkpoint")
     assert not (out / "summary.json").exists(), "the run ended before it could be cancelled"
     cancel = _run(["scancel", job], slurm, timeout=30)
     assert cancel.returncode == 0, cancel.stderr
-    _wait_for(lambda: _job_gone(job, slurm) and _processes_of(out) == [], 60, "the job to end")
+    wait_for(lambda: _job_gone(job, slurm) and _processes_of(out) == [], 60, "the job to end")
     assert not (out / "summary.json").exists()
     resumed = _run([sys.executable, "-m", "labavg", "train", "--resume", str(out),
                     "--no-progress"], slurm)
@@ -240,7 +232,7 @@ def test_cluster_example_engines_train_for_an_attached_notebook(slurm, corpus, t
     job = done.stdout.strip().split(";")[0]
     try:
         security = tmp_path / "ipython" / "profile_labavg" / "security"
-        _wait_for(lambda: (security / f"cluster-{job}.json").is_file(), 120, "ipcluster")
+        wait_for(lambda: (security / f"cluster-{job}.json").is_file(), 120, "ipcluster")
         monkeypatch.setenv("IPYTHONDIR", env["IPYTHONDIR"])  # where the notebook finds it
         cluster = Cluster.attach(profile="labavg", cluster_id=job, device="cpu", timeout=180)
         cfg = small_config(corpus, tmp_path / "engines", backend="mpi", ranks=2)
@@ -251,5 +243,5 @@ def test_cluster_example_engines_train_for_an_attached_notebook(slurm, corpus, t
         _same_params(tmp_path / "engines", tmp_path / "mpiexec", 2)
     finally:
         _run(["scancel", job], slurm, timeout=30)
-    _wait_for(lambda: _job_gone(job, slurm) and _processes_of(Path(f"--cluster-id={job}")) == [],
+    wait_for(lambda: _job_gone(job, slurm) and _processes_of(Path(f"--cluster-id={job}")) == [],
               60, "the cluster job to end")

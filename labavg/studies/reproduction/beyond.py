@@ -26,6 +26,7 @@ from labavg.studies.reproduction.tables import markdown_table
 from labavg.studies.reproduction.tables import mean_sd as _mean_sd
 from labavg.studies.reproduction.tables import num as _num
 from labavg.studies.reproduction.tables import words
+from labavg.studies.reproduction.figures import save_png
 from labavg.studies.reproduction.results import Run, paired, select
 from labavg.studies.reproduction.results import stat as _stat
 from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POSITIVE, WER_MARGIN, ZERO,
@@ -195,13 +196,7 @@ def figure(runs: list[Run], one_worker: dict[int, Run], path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="best", framealpha=0.8)
     axes[0][0].set_ylabel("WER on the test set (%), mean over seeds")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_png(fig, path)
 
 
 def section(runs: list[Run], sweep_file: Path, figure_path: Path | None, report: Path) -> list[str]:

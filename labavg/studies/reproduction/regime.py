@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, words
+from labavg.studies.reproduction.figures import save_png
 from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
 from labavg.studies.reproduction.verdicts import ACCURACY_MARGIN, Spread, spread, verdict
 
@@ -378,13 +379,7 @@ def regime_figure(points: list[MapPoint], comparison: list[MapPoint], best: Fit 
     for ax in axes:
         ax.axhline(0, color="black", linewidth=0.8)
         ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_png(fig, path)
 
 
 def comparison_points(paper_runs: list[Run], base: dict[str, Any]) -> list[MapPoint]:
