@@ -41,6 +41,8 @@ PREDICTION_NETWORK = TEN_GBE
 # Load averages (1 minute, at each run's start) further apart than this, in busy cores, and
 # the two runs' frames/s do not compare: the ranks shared the cores with other work.
 LOAD_DIFFERENCE = 1.0
+# Above this parallel efficiency the baseline, not the averaging, explains the speedup.
+SUPERLINEAR = 1.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Measured:
     speedup: float | None
     efficiency: float | None
     baseline_name: str | None
-    warning: str  # "" unless the two ran under different load
+    warning: str  # "" unless the two ran under different load, or efficiency > 100 %
 
 
 def run_name(summary: dict[str, Any]) -> str:
@@ -81,7 +83,18 @@ def measured_speedup(frames_per_second: float | None, ranks: int,
     if not frames_per_second or not base_fps:
         return Measured(None, None, name, "")
     speedup = frames_per_second / base_fps
-    return Measured(speedup, speedup / ranks, name, load_warning(load, baseline))
+    warnings = [load_warning(load, baseline), superlinear_warning(speedup / ranks, baseline)]
+    return Measured(speedup, speedup / ranks, name, " ".join(w for w in warnings if w))
+
+
+def superlinear_warning(efficiency: float, baseline: dict[str, Any] | None) -> str:
+    """Why an efficiency above 100 % is not the averaging's: N ranks cannot train each frame
+    faster than one rank does, so the 1-rank run was held back (other load, a cold start)."""
+    if efficiency <= SUPERLINEAR or baseline is None:
+        return ""
+    return (f"⚠ efficiency {100 * efficiency:.0f} % is above 100 %: {run_name(baseline)} "
+            f"trained slower per frame than these ranks do (other load or a cold start); "
+            f"train the 1-rank run again beside this one")
 
 
 def live_speedup(buffers: RunBuffers, config: dict[str, Any], baseline: dict[str, Any] | None,

@@ -416,8 +416,21 @@ def test_the_runs_table_warns_when_a_speedup_compares_runs_under_different_load(
     rows = RunTable(runs_dir=str(copy)).refresh()
     note = rows[1]["speedup_note"]
     assert note and "different load" in note and "3.5" in note and "0.4" in note and names[0] in note
-    set_load(names[0], 0.9)  # within one busy core of each other: no warning
-    assert RunTable(runs_dir=str(copy)).refresh()[1]["speedup_note"] is None
+    set_load(names[0], 0.9)  # within one busy core of each other: no load warning
+    note = RunTable(runs_dir=str(copy)).refresh()[1]["speedup_note"]
+    assert note is None or "different load" not in note
+
+
+def test_an_efficiency_above_100_percent_blames_the_baseline_not_the_averaging():
+    from dashboard.speedup import measured_speedup
+
+    baseline = {"config": {"out": "runs/n1"}, "frames_trained": 1000.0, "compute_seconds": 1.8,
+                "comm_seconds": 0.2, "load_average": {"start": 0.5, "end": 0.5}}  # 500 frames/s
+    fair = measured_speedup(900.0, 2, baseline, load=0.5)
+    assert fair.speedup == 1.8 and fair.warning == ""
+    superlinear = measured_speedup(2000.0, 2, baseline, load=0.5)  # efficiency 200 %
+    assert superlinear.efficiency == 2.0
+    assert "above 100 %" in superlinear.warning and "n1" in superlinear.warning
 
 
 def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_path):
