@@ -92,11 +92,12 @@ def stopped_then_resumed(cfg, at_step: int = 4) -> tuple[dict, dict]:
     return stopped, run_training(cfg, resume=True, progress=False)
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
-    """Return once `predicate()` holds; fail the test naming `what` after `timeout` seconds."""
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
+    """`predicate()`'s first true value; fail the test naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")

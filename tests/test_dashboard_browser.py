@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from support import wait_for
+
 # The dashboard in headless chromium at 1366 x 768 (`pytest -m slow`).
 pytestmark = pytest.mark.slow
 
@@ -171,7 +173,7 @@ def page(served):
                     and not msg.text.startswith("Failed to load resource") else None)
             page.goto(url, timeout=180000)
             page.get_by_role("button", name="Start").wait_for(timeout=180000)
-            _wait_for(lambda: page.evaluate("() => !!(window.Bokeh && window.Bokeh.documents.length)"),
+            wait_for(lambda: page.evaluate("() => !!(window.Bokeh && window.Bokeh.documents.length)"),
                       60, "the bokeh document")
             yield page
             assert not errors, errors
@@ -193,16 +195,6 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
         if event.get("type") == kind and event.get("rank", 0) == 0:
             out.append(event)
     return out
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _set_number(page, label: str, value) -> None:
@@ -236,7 +228,7 @@ def _start(page) -> str:
         name = _on_screen(page)
         return name if name and name != before else None
 
-    return _wait_for(new_name, 60, "the new run on screen")
+    return wait_for(new_name, 60, "the new run on screen")
 
 
 def _status(page) -> str:
@@ -246,7 +238,7 @@ def _status(page) -> str:
 
 def _finish(page, name: str, ranks: int) -> dict[str, int]:
     try:
-        _wait_for(lambda: page.get_by_text(f"Finished: {name}").count() > 0, 240, f"{name} to finish")
+        wait_for(lambda: page.get_by_text(f"Finished: {name}").count() > 0, 240, f"{name} to finish")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; the status says: {_status(page)}") from None
     # The loss plot holds points for every rank of the run, and for no other rank.
@@ -254,13 +246,13 @@ def _finish(page, name: str, ranks: int) -> dict[str, int]:
         found = page.evaluate(LOSS_POINTS_JS)
         return found if len(found) == ranks and min(found.values()) > 0 else None
 
-    return _wait_for(counts, 60, f"loss points of {ranks} ranks")
+    return wait_for(counts, 60, f"loss points of {ranks} ranks")
 
 
 def _message_below(page, label: str, text: str) -> None:
     """`text` is shown, right under the box labelled `label` and as wide as its column."""
     message = page.get_by_text(text, exact=False).first
-    _wait_for(lambda: message.is_visible(), 30, f"the message {text!r}")
+    wait_for(lambda: message.is_visible(), 30, f"the message {text!r}")
     box = page.get_by_label(label, exact=True).bounding_box()
     where = message.bounding_box()
     assert 0 <= where["y"] - (box["y"] + box["height"]) < 30, (box, where)
@@ -271,7 +263,7 @@ def test_widgets_say_what_is_wrong_next_to_them_and_start_waits(page, tmp_path, 
     assert not _start_disabled(page)
     _set_number(page, "ranks", 0)
     _message_below(page, "ranks", "ranks must be positive; got 0")
-    _wait_for(lambda: _start_disabled(page), 30, "Start to be disabled")
+    wait_for(lambda: _start_disabled(page), 30, "Start to be disabled")
     _set_number(page, "learning rate", -0.1)
     _message_below(page, "learning rate", "learning rate must be positive and finite; got -0.1")
     # The typed values stay in their boxes (nothing puts the old value back on blur).
@@ -280,7 +272,7 @@ def test_widgets_say_what_is_wrong_next_to_them_and_start_waits(page, tmp_path, 
     page.screenshot(path=str(ARTIFACTS / "dashboard-invalid.png"))
     _set_number(page, "ranks", 2)
     _set_number(page, "learning rate", 0.008)
-    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+    wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
     assert page.get_by_text("must be positive").count() == 0
 
     # A folder that is not a corpus: one short message, as it is typed.
@@ -295,7 +287,7 @@ def test_widgets_say_what_is_wrong_next_to_them_and_start_waits(page, tmp_path, 
     assert _start_disabled(page)
     page.screenshot(path=str(ARTIFACTS / "dashboard-invalid-data.png"))
     _set_text(page, "data directory", str(corpus))
-    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+    wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
 
     blocker = tmp_path / "blocker"
     blocker.write_text("")
@@ -333,7 +325,7 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     _set_number(page, "epochs", 5)  # long enough to be seen while it trains
     third = _start(page)
     speedup = page.get_by_text(re.compile(r"Speedup \d+\.\d\d×, efficiency \d+ %"))
-    _wait_for(lambda: speedup.count() > 0, 120, "the live speedup")
+    wait_for(lambda: speedup.count() > 0, 120, "the live speedup")
     page.screenshot(path=str(ARTIFACTS / "dashboard-live.png"))  # while it trains, mostly
     _finish(page, third, ranks=2)
     line = page.locator("p", has=speedup.first).first.inner_text()
@@ -350,12 +342,12 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     page.locator(".bk-tab", has_text="Runs").click()
     rows = page.locator(".tabulator-row")
     try:
-        _wait_for(lambda: rows.count() >= 3, 30, "three rows in the runs table")
+        wait_for(lambda: rows.count() >= 3, 30, "three rows in the runs table")
     except AssertionError:
         # Once in a CI run the table, filled while its tab was hidden, drew no rows for 60 s;
         # Refresh (what a user would press) redraws it. Flaky drawing, not missing runs.
         page.get_by_role("button", name="Refresh").click()
-        _wait_for(lambda: rows.count() >= 3, 60, "three rows in the runs table after Refresh")
+        wait_for(lambda: rows.count() >= 3, 60, "three rows in the runs table after Refresh")
     texts = [rows.nth(i).inner_text() for i in range(rows.count())]
     for name in (first, second, third):
         assert any(name in t for t in texts), (name, texts)
@@ -385,7 +377,7 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
         if first in t or third in t:
             rows.nth(i).locator("input[type=checkbox]").first.click()
     wanted = {"K=3 1 epoch", "K=7 5 epochs"}
-    _wait_for(lambda: wanted <= set(page.evaluate(LEGENDS_JS)), 60, f"legends {wanted}")
+    wait_for(lambda: wanted <= set(page.evaluate(LEGENDS_JS)), 60, f"legends {wanted}")
     page.mouse.move(850, 500)
     page.mouse.wheel(0, 400)  # the plots are drawn on canvases: no text to scroll to
     time.sleep(1)
@@ -395,7 +387,7 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
 
     # The Communication tab: the two 2-rank runs (plain averaging) by the bytes they sent.
     page.locator(".bk-tab", has_text="Communication").click()
-    _wait_for(lambda: "model, 2 ranks" in page.evaluate(LEGENDS_JS), 60, "the communication legend")
+    wait_for(lambda: "model, 2 ranks" in page.evaluate(LEGENDS_JS), 60, "the communication legend")
     time.sleep(1)
     page.screenshot(path=str(ARTIFACTS / "dashboard-communication.png"))
 
@@ -404,16 +396,16 @@ def test_the_momentum_box_is_used_only_by_a_method_that_has_one(page, served):
     momentum = page.get_by_label("method momentum", exact=True)
     assert momentum.is_disabled()  # plain averaging (the default) has no momentum
     page.get_by_label("averaging method", exact=True).select_option("bmuf")
-    _wait_for(lambda: momentum.is_enabled(), 30, "the momentum box to be enabled")
+    wait_for(lambda: momentum.is_enabled(), 30, "the momentum box to be enabled")
     _set_number(page, "method momentum", 1.5)
     _message_below(page, "method momentum", "method momentum must be in [0, 1); got 1.5")
     assert _start_disabled(page)
     page.get_by_label("averaging method", exact=True).select_option("diloco")  # the same rule
     _message_below(page, "method momentum", "method momentum must be in [0, 1); got 1.5")
     _set_number(page, "method momentum", 0.5)
-    _wait_for(lambda: not page.get_by_text("method momentum must be").count(), 30, "the message to go")
+    wait_for(lambda: not page.get_by_text("method momentum must be").count(), 30, "the message to go")
     page.get_by_label("averaging method", exact=True).select_option("model")
-    _wait_for(lambda: momentum.is_disabled(), 30, "the momentum box to be disabled")
+    wait_for(lambda: momentum.is_disabled(), 30, "the momentum box to be disabled")
 
 
 def test_a_preset_shows_in_its_boxes_and_the_server_trains_what_they_show(page, served):
@@ -428,7 +420,7 @@ def test_a_preset_shows_in_its_boxes_and_the_server_trains_what_they_show(page, 
              "epochs": "epochs"}
     for label, key in boxes.items():
         want = str(teaching[key])
-        _wait_for(lambda: page.get_by_label(label, exact=True).input_value() == want, 30,
+        wait_for(lambda: page.get_by_label(label, exact=True).input_value() == want, 30,
                   f"the {label} box to show the preset's {want}")
     _set_number(page, "ranks", 2)
     _set_number(page, "epochs", 1)
@@ -454,31 +446,31 @@ def test_a_reload_and_a_second_page_find_the_run_and_keep_stop(page, served):
     name = _start(page)
     page.reload()
     page.get_by_role("button", name="Start").wait_for(timeout=180000)
-    _wait_for(lambda: _on_screen(page) == name, 60, "the running run on the reloaded page")
+    wait_for(lambda: _on_screen(page) == name, 60, "the running run on the reloaded page")
     assert page.get_by_text("started from another page").count() > 0
     stop = page.get_by_role("button", name="Stop")
-    _wait_for(lambda: stop.is_enabled() and _start_disabled(page), 30, "Stop on, Start off")
+    wait_for(lambda: stop.is_enabled() and _start_disabled(page), 30, "Stop on, Start off")
     other = page.context.browser.new_page(viewport={"width": 1366, "height": 768})
     try:
         other.goto(page.url, timeout=180000)
         other.get_by_role("button", name="Start").wait_for(timeout=180000)
-        _wait_for(lambda: _on_screen(other) == name, 60, "the run on a second page")
+        wait_for(lambda: _on_screen(other) == name, 60, "the run on a second page")
         assert other.get_by_role("button", name="Stop").is_enabled()
         other.screenshot(path=str(ARTIFACTS / "dashboard-second-page.png"))
     finally:
         other.close()
-    _wait_for(lambda: _events(runs / name, "epoch"), 120, "an epoch end before Stop")
+    wait_for(lambda: _events(runs / name, "epoch"), 120, "an epoch end before Stop")
     clicked = time.monotonic()
     at_click = max(e["step"] for e in _events(runs / name, "minibatch"))
     stop.click()
     # The server has the request once the page says so; the step then is an upper bound of the
     # step the request reached the trainer at (the click's way to a busy server took seconds).
     # (Or already says it stopped: the two may reach the page in one update.)
-    _wait_for(lambda: page.get_by_text("at the next averaging round").count() > 0
+    wait_for(lambda: page.get_by_text("at the next averaging round").count() > 0
               or page.get_by_text(f"Stopped: {name}").count() > 0, 60, "the server to take the Stop")
     at_stop = max(e["step"] for e in _events(runs / name, "minibatch"))
     taken = time.monotonic() - clicked
-    _wait_for(lambda: page.get_by_text(f"Stopped: {name}").count() > 0, 120, f"{name} to stop")
+    wait_for(lambda: page.get_by_text(f"Stopped: {name}").count() > 0, 120, f"{name} to stop")
     seconds = time.monotonic() - clicked
     summary = json.loads((runs / name / "summary.json").read_text())
     assert summary["stopped"] is True
@@ -507,7 +499,7 @@ def test_refusals_and_warnings_sit_beside_their_box_in_its_words_before_start(pa
     _set_number(page, "K (average every)", 10)
     _set_number(page, "learning rate", "1e9")
     _message_below(page, "learning rate", "max-change clips every update")
-    _wait_for(lambda: not _start_disabled(page), 30, "Start on: a warning does not refuse")
+    wait_for(lambda: not _start_disabled(page), 30, "Start on: a warning does not refuse")
     _set_number(page, "hidden units", 100000000)
     _message_below(page, "hidden units", "hidden units 100000000 × hidden layers")
     text = page.get_by_text("hidden units 100000000 × hidden layers").first.inner_text()
@@ -520,7 +512,7 @@ def test_refusals_and_warnings_sit_beside_their_box_in_its_words_before_start(pa
     assert _start_disabled(page)
     _set_number(page, "ranks", 2)
     _set_number(page, "learning rate", 0.008)
-    _wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
+    wait_for(lambda: not _start_disabled(page), 30, "Start to be enabled again")
 
 
 def _offline_page(pw, url: str, outside: list[str]):
@@ -585,7 +577,7 @@ def test_an_exported_notebook_typesets_its_equations_offline(tmp_path):
         try:
             page.goto((tmp_path / "nb.html").as_uri())
             typeset = page.locator(".MathJax, .MathJax_Display")
-            _wait_for(lambda: typeset.count() >= 2, 60, "MathJax's output")
+            wait_for(lambda: typeset.count() >= 2, 60, "MathJax's output")
             assert "$$" not in page.locator("body").inner_text()
             page.screenshot(path=str(ARTIFACTS / "notebook-offline.png"))
         finally:

@@ -38,7 +38,6 @@ from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 LAUNCH_FILE = ".launch.json"
 STOP_FILE = ".stop"
 LAUNCHERS = ("threads", "job", "engines", "slurm")
-_POLL_SECONDS = 0.05
 
 
 class RunHandle(Protocol):
