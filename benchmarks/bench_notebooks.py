@@ -1,15 +1,18 @@
 """How long each teaching notebook takes at one size, against the class budget (never a timed test).
 
     .venv/bin/python benchmarks/bench_notebooks.py [--size class] [--work DIR] [--only 03 04]
-                                                  [--write-timings] [--html DIR]
+                                                  [--load 2] [--write-timings] [--html DIR]
 
 Executes the notebooks in order in one fresh working folder, as a class would (01 makes the
 corpus, later ones reuse it), each in its own kernel running this interpreter, and prints one line
-per notebook: seconds, and the ratio to the class budget (10 minutes). `--write-timings` stores
-the seconds in notebooks/timings.json, which each notebook's banner prints as its expected time.
+per notebook: seconds, the machine's mean 1-minute load average while it ran, and the ratio to
+its budget (half its slot in the 90-minute plan, `teaching.budget_seconds`). `--load 2` runs two
+busy processes beside the notebooks for the whole measurement, as a class laptop's other
+programs would. `--write-timings` stores the seconds in notebooks/timings.json under "plain" (no
+load of its own) or "loaded" (`--load 2`), which each notebook's banner prints.
 `--html DIR` also exports every executed notebook as a self-contained HTML file (the plots'
 JavaScript is inline, so the files open offline). Exit status 1 when a notebook fails or, at the
-class size, runs over its budget.
+class size beside the load, runs over its budget.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import json
 import os
 import platform
 import sys
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +56,31 @@ def run_notebook(path: Path, cwd: Path, kernel: str, timeout: float) -> tuple[fl
     return time.perf_counter() - start, nb
 
 
+class LoadSampler:
+    """The machine's 1-minute load average, sampled every few seconds on a thread."""
+
+    def __init__(self, every: float = 5.0):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, every: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(every)
+
+    def mean(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return sum(self.samples) / len(self.samples)
+
+
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    """`n` processes that each keep one core busy until they are ended."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
 def export_html(nb: nbformat.NotebookNode, out: Path) -> None:
     # Equations typeset offline: MathJax copied beside the HTML files, no CDN script.
     body, _ = teaching.offline_html_exporter(out.parent).from_notebook_node(nb)
@@ -62,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="class", choices=list(teaching.SIZES))
     parser.add_argument("--work", type=Path, help="working folder (default: a new temporary one)")
     parser.add_argument("--only", nargs="*", default=None, help="notebook numbers, e.g. 03 04")
+    parser.add_argument("--load", type=int, default=0, choices=(0, teaching.LOAD_PROCESSES),
+                        help="busy processes to run beside the notebooks")
     parser.add_argument("--write-timings", action="store_true", help="store the seconds in notebooks/timings.json")
     parser.add_argument("--html", type=Path, help="export each executed notebook as HTML into this folder")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per cell")
@@ -82,37 +114,58 @@ def main(argv: list[str] | None = None) -> int:
         args.html.mkdir(parents=True, exist_ok=True)
 
     notebooks = sorted(teaching.NOTEBOOKS.glob("[0-9][0-9]-*.ipynb"))
+    if not notebooks:
+        print(f"no notebook found in {teaching.NOTEBOOKS}", file=sys.stderr)
+        return 2
     if args.only:
         notebooks = [p for p in notebooks if p.name[:2] in args.only]
-    budget = teaching.CLASS_BUDGET_S
-    print(f"size {args.size!r} ({teaching.SIZES[args.size].describe()}), working folder {cwd}")
-    print(f"{'notebook':<52} {'seconds':>8} {'of budget':>10}")
+    condition = "loaded" if args.load else "plain"
+    print(f"size {args.size!r} ({teaching.SIZES[args.size].describe()}), "
+          f"{teaching.CONDITION_WORDS[condition]}, working folder {cwd}")
+    print(f"{'notebook':<52} {'seconds':>8} {'load avg':>8} {'of budget':>10}")
     seconds: dict[str, float] = {}
+    loads: list[float] = []
     failed = over = False
-    for path in notebooks:
-        try:
-            took, nb = run_notebook(path, cwd, kernel, args.timeout)
-        except Exception as exc:  # one failing notebook must not hide the others' times
-            print(f"{path.stem:<52} FAILED: {type(exc).__name__}: {str(exc).splitlines()[-1] if str(exc) else ''}")
-            failed = True
-            continue
-        seconds[path.stem] = round(took, 1)
-        over |= args.size == "class" and took > budget
-        print(f"{path.stem:<52} {took:8.1f} {took / budget:10.2f}", flush=True)
-        if args.html:
-            export_html(nb, args.html / f"{path.stem}.html")
+    load = busy_processes(args.load)
+    try:
+        for path in notebooks:
+            sampler = LoadSampler()
+            try:
+                took, nb = run_notebook(path, cwd, kernel, args.timeout)
+            except Exception as exc:  # one failing notebook must not hide the others' times
+                sampler.mean()
+                print(f"{path.stem:<52} FAILED: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[-1] if str(exc) else ''}")
+                failed = True
+                continue
+            loads.append(sampler.mean())
+            seconds[path.stem] = round(took, 1)
+            budget = teaching.budget_seconds(path.stem)
+            over |= args.size == "class" and condition == "loaded" and took > budget
+            print(f"{path.stem:<52} {took:8.1f} {loads[-1]:8.2f} {took / budget:10.2f}", flush=True)
+            if args.html:
+                export_html(nb, args.html / f"{path.stem}.html")
+    finally:
+        for process in load:
+            process.kill()
+            process.wait()
     if seconds:
-        print(f"{'total':<52} {sum(seconds.values()):8.1f} (budget {budget:.0f} s per notebook)")
+        print(f"{'total':<52} {sum(seconds.values()):8.1f}")
     if args.write_timings and seconds and not failed:
-        timings = teaching.read_timings()
-        timings["machine"] = f"a {os.cpu_count()}-core {platform.machine()} machine"
-        entry = timings.setdefault("sizes", {}).setdefault(args.size, {})
-        entry.update(date=datetime.date.today().isoformat(), budget_s=budget,
-                     command="benchmarks/bench_notebooks.py --size " + args.size)
-        entry["notebooks"] = {**entry.get("notebooks", {}), **seconds}
-        teaching.TIMINGS_FILE.write_text(json.dumps(timings, indent=1) + "\n")
-        print(f"wrote {teaching.TIMINGS_FILE}")
+        write_timings(args.size, condition, seconds, sum(loads) / len(loads))
     return 1 if failed or over else 0
+
+
+def write_timings(size: str, condition: str, seconds: dict[str, float], load: float) -> None:
+    timings = teaching.read_timings()
+    timings["machine"] = f"a {os.cpu_count()}-core {platform.machine()} machine"
+    entry = timings.setdefault("sizes", {}).setdefault(size, {}).setdefault(condition, {})
+    entry.update(date=datetime.date.today().isoformat(), load_average=round(load, 2),
+                 command=f"benchmarks/bench_notebooks.py --size {size}"
+                         + (f" --load {teaching.LOAD_PROCESSES}" if condition == "loaded" else ""))
+    entry["notebooks"] = {**entry.get("notebooks", {}), **seconds}
+    teaching.TIMINGS_FILE.write_text(json.dumps(timings, indent=1) + "\n")
+    print(f"wrote {teaching.TIMINGS_FILE}")
 
 
 if __name__ == "__main__":
