@@ -50,6 +50,9 @@ class RunStarted(Event):
     node_ranks: int = 0  # ranks in this rank's node (0: no hierarchy)
     overlap: str = "none"  # none, eager, streaming (labavg.averaging.overlap)
     fragment_bytes: tuple[int, ...] = ()  # overlap: what a round of each fragment sends
+    backend: str = ""  # inproc, mpi or torch
+    cores: int = 0  # CPU cores the run's ranks may use, over all their hosts (0: not known)
+    load: float | None = None  # this host's 1-minute load average as the rank started
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,24 @@ class Message(Event):
     type: ClassVar[str] = "message"
     step: int
     text: str
+
+
+@dataclass(frozen=True)
+class SpeedupPair(Event):
+    """Rank 0, a few times a run: one paired speedup measurement (labavg.jobs.speedup).
+
+    Rank 0 trained `solo_steps` minibatches alone on a scratch copy of its model while the
+    other ranks waited idle, then every rank trained the next `parallel_steps` minibatches and
+    averaged: seconds per minibatch of each, measured back to back under the same load.
+    """
+
+    type: ClassVar[str] = "speedup_pair"
+    step: int
+    round: int
+    solo_step_seconds: float
+    parallel_step_seconds: float
+    solo_steps: int
+    parallel_steps: int
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ from typing import Protocol
 
 import torch
 
+# How often a rank waiting in `idle_barrier` looks again: short beside a minibatch (~20 ms).
+IDLE_POLL_SECONDS = 0.0005
+
 
 class Pending(Protocol):
     """A mean started by `Communicator.iallreduce_mean`, still in flight."""
@@ -65,6 +68,14 @@ class Communicator(Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
+
+    def idle_barrier(self) -> None:
+        """`barrier`, waiting without keeping a core busy.
+
+        MPICH and gloo spin while they wait; a rank that waits for another one working alone
+        (labavg.training.speedup_probe) must leave it the cores, or the solo time measured is
+        that of a rank sharing its core with the spinning waiters.
+        """
 
     def split(self, color: int, key: int = 0) -> "Communicator":
         """This rank's communicator among the ranks that passed the same `color`.

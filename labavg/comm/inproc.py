@@ -97,6 +97,10 @@ class InProcCommunicator:
         if self.size > 1:
             self.group.rendezvous(self.rank, GroupCall("barrier"))
 
+    def idle_barrier(self) -> None:
+        """`barrier`: threads wait on a condition, which keeps no core busy."""
+        self.barrier()
+
     def split(self, color: int, key: int = 0) -> "InProcCommunicator":
         """This rank's communicator among the ranks that passed the same `color` (collective),
         ranked by (`key`, rank) as MPI_Comm_split; an abort of this group reaches it."""

@@ -11,10 +11,12 @@ backends give bitwise the same parameters.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
+from labavg.comm.base import IDLE_POLL_SECONDS
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root
 
 # The reduce algorithms' messages; collectives travel in a context of their own whatever the tag.
@@ -133,6 +135,13 @@ class MpiCommunicator:
         if self.size > 1:
             self._comm.Barrier()
 
+    def idle_barrier(self) -> None:
+        """`barrier` as MPI_Ibarrier, tested between short sleeps instead of polled flat out."""
+        if self.size > 1:
+            request = self._comm.Ibarrier()
+            while not request.Test():
+                time.sleep(IDLE_POLL_SECONDS)
+
     def split(self, color: int, key: int = 0) -> "MpiCommunicator":
         """This rank's communicator among the ranks passing the same `color` (MPI_Comm_split;
         collective), ranked by (`key`, rank)."""
@@ -153,8 +162,6 @@ class MpiCommunicator:
         `code` becomes mpiexec's exit status; `quiet` when the caller has printed the reason.
         """
         import sys
-
-        import time
 
         if not quiet:
             print(f"labavg: {reason}; aborting all {self.size} MPI ranks", file=sys.stderr, flush=True)

@@ -8,10 +8,12 @@ same in-place division as the other backends (ReduceOp.AVG exists only for nccl)
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
 
+from labavg.comm.base import IDLE_POLL_SECONDS
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root, split_members
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -115,6 +117,19 @@ class TorchDistCommunicator:
             self._dist.barrier(group=self._group, device_ids=[self.device.index or 0])
         else:
             self._dist.barrier(group=self._group)
+
+    def idle_barrier(self) -> None:
+        """`barrier` started asynchronously and checked between short sleeps (gloo's blocking
+        wait spins); on CUDA the blocking barrier, whose spinning is NCCL's own thread."""
+        if self.size == 1:
+            return
+        if self.device.type == "cuda":
+            self.barrier()
+            return
+        work = self._dist.barrier(group=self._group, async_op=True)
+        while not work.is_completed():
+            time.sleep(IDLE_POLL_SECONDS)
+        work.wait()
 
     def split(self, color: int, key: int = 0) -> "TorchDistCommunicator":
         """This rank's communicator among the ranks passing the same `color` (collective),

@@ -260,6 +260,9 @@ class WatchedCommunicator:
     def barrier(self) -> None:
         self._call("barrier", self._comm.barrier)
 
+    def idle_barrier(self) -> None:
+        self._call("barrier", self._comm.idle_barrier)
+
     def split(self, color: int, key: int = 0) -> "WatchedCommunicator":
         return WatchedCommunicator(self._call("split", self._comm.split, color, key),
                                    self._watchdog)

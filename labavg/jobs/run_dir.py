@@ -42,7 +42,7 @@ LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
 # bitwise the same; a fault is injected once). `ranks` is not among them: it changes the
 # sharding and, through lr_scaling, the learning rate.
 RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "log_every",
-                    "tensorboard", "watchdog_seconds", "inject_fault")
+                    "tensorboard", "watchdog_seconds", "inject_fault", "speedup_pairs")
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -> None:

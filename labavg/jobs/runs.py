@@ -17,9 +17,9 @@ from labavg.base.checkpoint import atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
-from labavg.base.events import Event, MinibatchDone, RunFinished, RunStarted
+from labavg.base.events import Event, MinibatchDone, RunFinished, RunStarted, SpeedupPair
 from labavg.jobs.event_log import EventLog
-from labavg.jobs.index import CONFIG, SUMMARY, find_baseline
+from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
 from labavg.jobs.run_dir import check_run_dir, run_dir_lock
 from labavg.jobs.summary import make_summary, read_summary
 
@@ -97,9 +97,10 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
     started: dict[int, RunStarted] = {}
     summary = None
     bar = None
-    # Load averages (1 minute) at the start and end: a speedup against a 1-rank run that ran
-    # under another load is not the averaging's alone (the dashboard warns of it).
+    # The load (1-minute average) the speedup was measured under, beside it in the summary.
     load_start = os.getloadavg()[0]
+    # A resumed run's speedup counts the pairs measured before it was interrupted too.
+    pairs = _pairs_logged(run_dir) if resume else []
     try:
         for event in events:
             if event.rank not in logs:
@@ -116,10 +117,12 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif bar is not None and event.rank == 0 and isinstance(event, MinibatchDone):
                 bar.update(event.step - bar.n)
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
+            elif isinstance(event, SpeedupPair):
+                pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
             elif isinstance(event, RunFinished) and event.rank == 0:
-                summary = make_summary(cfg, started[0], event, find_baseline(run_dir, to_dict(cfg)))
+                summary = make_summary(cfg, started[0], event, pairs,
+                                       {"start": load_start, "end": os.getloadavg()[0]})
                 summary["resumed"] = resume
-                summary["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
         if bar is not None:
@@ -134,6 +137,15 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
         summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _pairs_logged(run_dir: Path) -> list[tuple[float, float]]:
+    """The speedup pairs already in the run's event log (of its part before a resume)."""
+    tail, pairs = EventTail(run_dir / EVENTS), []
+    while chunk := tail.read():
+        pairs += [(e["solo_step_seconds"], e["parallel_step_seconds"]) for e in chunk
+                  if e.get("type") == SpeedupPair.type and e.get("rank") == 0]
+    return pairs
 
 
 def decode_pending(run_dir: Path) -> bool:

@@ -25,8 +25,8 @@ from labavg.base.errors import UserError
 from labavg.base.faults import parse_fault
 from labavg.base.settings import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
                                   check_directory, check_value, field_of, first_problem, flags,
-                                  from_dict, load_toml, named_sections, one_of, real, setting,
-                                  type_of, with_overrides)
+                                  from_dict, integer, load_toml, named_sections, one_of, real,
+                                  setting, type_of, with_overrides)
 from labavg.comm.settings import BACKENDS, REDUCE
 from labavg.data.settings import DataConfig
 from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig
@@ -115,6 +115,10 @@ class TrainConfig:
     checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
                                     POSITIVE, flag="--checkpoint-every")
     log_every: int = setting(1, "minibatches between per-minibatch events", POSITIVE)
+    speedup_pairs: int = setting(
+        5, "paired speedup measurements in a run of several ranks: rank 0 trains a few "
+        "minibatches alone between two rounds, then all ranks train (labavg.jobs.speedup; 0: none)",
+        integer(0, 100), flag="--speedup-pairs")
     tensorboard: bool = setting(True, "write TensorBoard files")
     inject_fault: str | None = setting(None, 'a deliberate fault, e.g. "nan@rank1:step20" '
                                        "(labavg.base.faults)")

@@ -38,6 +38,8 @@ from labavg.training.initial_model import build_model, input_dim, pretrain
 from labavg.training.model import DNN, count_parameters
 from labavg.training.rank_state import Progress
 from labavg.training.schedules import exponential_lr, newbob_start, newbob_step, scale_lr
+from labavg.training.speedup_probe import (SpeedupProbe, close_pair, make_probe, remember,
+                                           run_cores, start_pair)
 from labavg.training.step import evaluate, train_step
 
 
@@ -98,6 +100,8 @@ class _RankRun:
     wall_start: float
     wall_before: float  # training wall seconds of the runs this one resumes
     fault: Any = None  # an injected fault (labavg.base.faults)
+    probe: SpeedupProbe | None = None  # the paired speedup measurement
+    cores: int = 0  # CPU cores the ranks may use, over all hosts
     should_stop: Callable[[], bool] | None = None
     resumed_accepted: torch.Tensor | None = None  # Newbob's accepted model, from a checkpoint
     accepted_params: torch.Tensor | None = None  # Newbob's accepted model: this epoch's start
@@ -157,6 +161,8 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
                                 sizes=[p.numel() for p in model.parameters()])
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
+    run.cores = run_cores(comm)
+    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.averaging_interval(), run.total_steps)
     return run
 
 
@@ -177,7 +183,8 @@ def _run_started(run: _RankRun) -> RunStarted:
         num_pdfs=run.source.num_pdfs, input_dim=input_dim(run.model),
         steps_per_epoch=run.num_steps, train_utterances=len(run.train_keys),
         cv_utterances=len(run.cv_keys), average_every=cfg.averaging_interval(),
-        effective_lr=run.lr0, start_step=run.progress.step,
+        effective_lr=run.lr0, start_step=run.progress.step, cores=run.cores, backend=cfg.backend,
+        load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         **asdict(run.averager.describe(run.flat)),
     )
 
@@ -199,6 +206,7 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
         if scope is None:
             continue
         yield from _average(run, scope)
+        yield from close_pair(run.probe, run.comm.rank, step, run.progress.rounds, run.device)
         # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
         # after it (they took seconds on a class corpus), only the checkpoint to resume from.
         if run.run_dir is not None and (run.stopped or (
@@ -206,6 +214,8 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
             yield _save(run)
         if run.stopped or end_of_epoch:
             break  # an epoch's end saves in _end_epoch
+        start_pair(run.probe, run.comm, run.model, run.flat, run.optimizer, run.lr,
+                   run.progress.rounds, step, run.device)
     return not run.stopped
 
 
@@ -230,6 +240,7 @@ def _train_minibatch(run: _RankRun, epoch: int, x: torch.Tensor, y: torch.Tensor
     t0 = time.perf_counter()
     result = train_step(run.model, run.optimizer, x.to(run.device), y.to(run.device), lr)
     seconds = time.perf_counter() - t0
+    remember(run.probe, rank, x, y)
     progress.compute_seconds += seconds
     run.round_compute += seconds
     run.round_frames += result.frames

@@ -1,0 +1,127 @@
+"""A run's speedup: the one function behind every place that shows one.
+
+The measurement is made inside the run (labavg.training.speedup_probe): at a few averaging
+rounds rank 0 trains a few minibatches alone while the other ranks wait idle, then all ranks
+train to the next round. Each such pair, taken back to back under the same load, gives
+
+    ranks x (seconds per minibatch alone) / (seconds per minibatch of the N-rank segment)
+
+over the same frames. The speedup is the median over the pairs, with their range; beside it the
+cores the ranks had, the load as the run started, and what the cores allow: no speedup above
+min(ranks, cores) is shown without a flag that says why. summary.json, `labavg info`, the quick
+start, the dashboard, the notebooks and REPRODUCTION.md all read a run's speedup from here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Backends whose ranks are threads of one process (one interpreter, one lock between ops).
+THREAD_BACKENDS = ("inproc",)
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """A run's measured speedup over one worker, with its spread and conditions."""
+
+    value: float | None  # median over the pairs of ranks * solo / parallel seconds per minibatch
+    low: float | None  # the pairs' lowest
+    high: float | None  # the pairs' highest
+    pairs: int  # pairs measured
+    ranks: int
+    cores: int  # CPU cores the ranks could use, summed over their hosts (0: not recorded)
+    bound: float  # min(ranks, cores): the most the cores allow
+    load: float | None  # the 1-minute load average as the run started
+    threads: bool  # the ranks are threads of one process (backend inproc)
+    flag: str | None  # oversubscribed, or why the value is above the bound
+
+    @property
+    def efficiency(self) -> float | None:
+        """The speedup per rank (1.0 is perfect scaling)."""
+        return None if self.value is None else self.value / self.ranks
+
+    def text(self) -> str:
+        """One line: value, range, pairs and conditions, then the flag."""
+        if self.ranks == 1:
+            return "1.00x (one worker: the reference)"
+        if self.value is None:
+            return "not measured (too few averaging rounds for a pair, or speedup_pairs = 0)"
+        where = f"{self.ranks} {'threads' if self.threads else 'ranks'}"
+        if self.cores:
+            where += f" on {self.cores} core{'s' if self.cores != 1 else ''}"
+        if self.load is not None:
+            where += f", load {self.load:.1f}"
+        spread = (f"{self.low:.2f}-{self.high:.2f} over {self.pairs} pairs" if self.pairs > 1
+                  else "1 pair")
+        line = f"{self.value:.2f}x ({spread}; {where})"
+        return f"{line}; {self.flag}" if self.flag else line
+
+
+def measured_speedup(pairs: Iterable[tuple[float, float]], ranks: int, cores: int = 0,
+                     load: float | None = None, threads: bool = False) -> Speedup:
+    """The speedup of `ranks` ranks from (solo, parallel) seconds-per-minibatch pairs."""
+    ratios = [ranks * solo / parallel for solo, parallel in pairs if solo > 0 and parallel > 0]
+    bound = float(min(ranks, cores)) if cores else float(ranks)
+    if ranks == 1:
+        return Speedup(1.0, 1.0, 1.0, 0, 1, cores, 1.0, load, threads, None)
+    value = statistics.median(ratios) if ratios else None
+    return Speedup(value, min(ratios, default=None), max(ratios, default=None), len(ratios),
+                   ranks, cores, bound, load, threads, _flag(value, ranks, cores, bound, threads))
+
+
+def _flag(value: float | None, ranks: int, cores: int, bound: float, threads: bool) -> str | None:
+    notes = []
+    if cores and ranks > cores:
+        notes.append(f"{ranks} {'threads' if threads else 'ranks'} on {cores} cores: "
+                     f"at most {cores}x here")
+    if value is not None and value > bound:
+        # Pairs are short segments: a preempted solo segment reads slow and its pair high.
+        notes.append(f"above the {bound:g}x the cores allow: timing noise of the pairs, "
+                     "not a real gain")
+    return "; ".join(notes) or None
+
+
+def speedup_from_events(events: Iterable[Mapping[str, Any]]) -> Speedup | None:
+    """The speedup of a run so far, from its events (rank 0's run_started and speedup_pairs);
+    None before rank 0 has started."""
+    started, pairs = None, []
+    for event in events:
+        kind, rank = event.get("type"), event.get("rank")
+        if kind == "run_started" and rank == 0:
+            started = event
+        elif kind == "speedup_pair" and rank == 0:
+            pairs.append((event["solo_step_seconds"], event["parallel_step_seconds"]))
+    if started is None:
+        return None
+    return measured_speedup(pairs, int(started["size"]), int(started.get("cores") or 0),
+                            started.get("load"), _threads(started.get("backend")))
+
+
+def speedup_from_summary(summary: Mapping[str, Any]) -> Speedup | None:
+    """The speedup summary.json records (None for a summary written before pairs existed)."""
+    ranks = summary.get("ranks")
+    if not isinstance(ranks, int) or ranks < 1:
+        return None
+    pairs = summary.get("speedup_pairs")
+    if ranks > 1 and not isinstance(pairs, list):
+        return None
+    cores = summary.get("cores")
+    load = (summary.get("load_average") or {}).get("start")
+    return measured_speedup([tuple(p) for p in pairs or []], ranks,
+                            cores if isinstance(cores, int) else 0,
+                            load if isinstance(load, (int, float)) else None,
+                            _threads(summary.get("backend")))
+
+
+def summary_fields(speedup: Speedup) -> dict[str, Any]:
+    """What summary.json records of a run's speedup besides its pairs."""
+    return {"speedup": speedup.value, "speedup_low": speedup.low, "speedup_high": speedup.high,
+            "speedup_bound": speedup.bound, "speedup_flag": speedup.flag,
+            "parallel_efficiency": speedup.efficiency, "speedup_text": speedup.text()}
+
+
+def _threads(backend: Any) -> bool:
+    return backend in THREAD_BACKENDS
