@@ -60,9 +60,19 @@ class Dashboard:
         self.settings.param.watch(lambda e: setattr(self.table, "runs_dir", e.new), "runs_dir")
         self.table.param.watch(lambda _: self.runs.refresh(), "runs_dir")
         self.live.param.watch(lambda _: self.runs.refresh(), "running")
+        # The sidebar says what the run on screen trains when this page did not start it (a
+        # reload, a second page, a followed run), so that Start trains what is on screen.
+        self.live.param.watch(self._show_run_settings, "config")
         self._ticks = 0
         self.runs.refresh()
-        self.live.attach()  # a reload, or a second page, shows the server's run in progress
+        # A reload, or a second page, shows the server's run in progress, else its last run.
+        self.live.attach(last=True)
+
+    def _show_run_settings(self, event: Any) -> None:
+        if event.new and not self.live.own:
+            # A run of this server: where it was written too (another page may have changed it).
+            runs_dir = str(Path(self.live.run_dir).parent) if self.live.from_server else None
+            self.settings.show_run(event.new, runs_dir)
 
     def tick(self) -> None:
         """The periodic update: drain the run's events into the plots, rescan runs now and then;

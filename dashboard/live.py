@@ -1,7 +1,10 @@
 """The run on screen: started here through labavg.jobs.launch, or followed from its run directory.
 
-Every blocking thing (training, starting MPI engines) happens on a worker thread, and the UI
-thread drains what the worker queued in a periodic callback (`LiveRun.drain`) into
+The dashboard never trains in its own process: a run started from the page is a job of its
+own (`start_run(cfg, launcher="job")`, in-process workers included; MPI engines are other
+processes already), so training never holds the server's interpreter and the page stays
+quick. A worker thread starts the job, relays its events and passes Stop on (RUN_DIR/.stop);
+the UI thread drains what the worker queued in a periodic callback (`LiveRun.drain`) into
 `dashboard.buffers.RunBuffers`.
 """
 
@@ -30,10 +33,12 @@ from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail, find_throughpu
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """A run started from a page of this server: what a reloaded or second page attaches to."""
+    """A run started from a page of this server: what a reloaded or second page attaches to
+    (its config too, so that page's settings show the run before its config.json exists)."""
 
     run_dir: str
     stop: threading.Event
+    config: dict[str, Any]
 
 
 # The server's runs in progress, by run directory. Sessions come and go (a reload is a new
@@ -41,12 +46,24 @@ class Job:
 # must see it before a second run starts beside it.
 _JOBS: dict[str, Job] = {}
 _JOBS_LOCK = threading.Lock()
+# The last run started on this server: what a page opened after it ended shows.
+_LAST: list[Job] = []
+# Bytes of events.jsonl one periodic update reads of a followed run: a reload of a long run
+# catches up over a few updates instead of parsing the whole log before the page answers.
+_TAIL_BYTES = 1 << 20
+_DRAIN_EVENTS = 20000  # events one periodic update moves into the buffers
 
 
 def active_job() -> Job | None:
     """A run in progress on this server, if any."""
     with _JOBS_LOCK:
         return next(iter(_JOBS.values()), None)
+
+
+def last_job() -> Job | None:
+    """The run started last on this server (in progress or ended), if any."""
+    with _JOBS_LOCK:
+        return _LAST[-1] if _LAST else None
 
 
 class LiveRun(param.Parameterized):
@@ -63,6 +80,7 @@ class LiveRun(param.Parameterized):
     config = param.Dict(default={}, doc="config of the run on screen (not of the settings)")
     generation = param.Integer(default=0, doc="bumped when a new run replaces the buffers")
     error = param.String(default="")
+    own = param.Boolean(default=False, doc="the run on screen was started from this page")
 
     def __init__(self, maxlen: int = POINTS_PER_CURVE, **params: Any) -> None:
         super().__init__(**params)
@@ -111,12 +129,15 @@ class LiveRun(param.Parameterized):
             self.status = f"Cannot start: {exc}"
             return False
         backend = settings.backend
+        self.own, self._job = True, None
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
         self.baseline = find_throughput_baseline(out, self.config)
-        launcher = "threads" if backend == "in-process workers" else "engines"
-        job = Job(str(out), self._stop)
+        # In-process workers are threads of one job process, never of this server's.
+        launcher = "job" if backend == "in-process workers" else "engines"
+        job = Job(str(out), self._stop, self.config)
         with _JOBS_LOCK:
             _JOBS[job.run_dir] = job
+            _LAST[:] = [job]
         self._thread = threading.Thread(target=self._drive, args=(cfg, launcher, job), daemon=True,
                                         name="labavg-dashboard-run")
         self.running = True
@@ -127,7 +148,8 @@ class LiveRun(param.Parameterized):
             self.status = (f"Starting {cfg.ranks} MPI engines for {out.name} ({what}); the plots "
                            "fill once the engines train…")
         else:
-            self.status = f"Starting {out.name} ({backend}, {what}): reading the data…"
+            self.status = (f"Starting {out.name} ({backend} in a job process, {what}): "
+                           "reading the data…")
         self._thread.start()
         return True
 
@@ -200,12 +222,17 @@ class LiveRun(param.Parameterized):
 
     # -- monitor mode ----------------------------------------------------------------------
 
-    def attach(self) -> bool:
-        """Follow the server's run in progress, with Stop (a reloaded or second page); False
-        when there is none or this page shows a run of its own."""
+    def attach(self, last: bool = False) -> bool:
+        """Follow the server's run in progress, with Stop (a reloaded or second page); with
+        `last`, else the run started last on this server (a page opened after it ended).
+        False when there is none or this page shows a run of its own."""
         job = active_job()
+        if job is not None and (Path(job.run_dir) / SUMMARY).is_file():
+            job = None  # ended; its worker is about to take it off the list
+        if job is None and last:
+            job = last_job()
         if job is None or (self.running and self.mode == "live") or (
-                self._job is job and self.running) or (Path(job.run_dir) / SUMMARY).is_file():
+                self._job is job and self.running):
             return False
         self._follow(Path(job.run_dir), job)
         return True
@@ -223,13 +250,22 @@ class LiveRun(param.Parameterized):
         return True
 
     def _follow(self, run_dir: Path, job: Job | None) -> None:
-        # A job's directory may not exist yet: its run creates it when it starts.
-        self._reset(1, {}, str(run_dir), "monitor")
+        # A job's directory may not exist yet: its run creates it when it starts. Its config
+        # is known at once (the page's settings show it); a foreign run's comes with its log.
+        config = dict(job.config) if job is not None else {}
+        self.own = False
         self._job = job
+        self._reset(int(config.get("ranks", 1)), config, str(run_dir), "monitor")
         self._tail = EventTail(run_dir / EVENTS)
-        self.running = True
-        self.status = (f"Running {run_dir.name} (started from another page)…" if job
-                       else f"Following {run_dir} (waiting for {CONFIG})…")
+        ended = job is not None and (run_dir / SUMMARY).is_file()
+        # An ended run is read in, not followed: Start stays on and Stop off meanwhile.
+        self.running = not ended
+        if job is None:
+            self.status = f"Following {run_dir} (waiting for {CONFIG})…"
+        elif ended:
+            self.status = f"Reading {run_dir.name} (started from a page of this server)…"
+        else:
+            self.status = f"Running {run_dir.name} (started from another page)…"
         self._poll_monitor()
 
     def _poll_monitor(self) -> None:
@@ -240,12 +276,12 @@ class LiveRun(param.Parameterized):
             except (OSError, json.JSONDecodeError):
                 return  # rank 0 writes config.json with its first event; keep waiting
             self.buffers = RunBuffers(int(config.get("ranks", 1)), self.maxlen)
-            self.baseline = find_throughput_baseline(run_dir, config)
             self.config = config
             self.generation += 1
-            self.status = (f"Running {run_dir.name} (started from another page)…" if self._job
-                           else f"Following {run_dir}…")
-        for event in self._tail.read():
+            self.status = f"Following {run_dir}…"
+        if self.baseline is None and self._summary is None:
+            self.baseline = find_throughput_baseline(run_dir, self.config)
+        for event in self._tail.read(_TAIL_BYTES):
             self._events.put(event)
         if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:
             self.running = False
@@ -254,12 +290,11 @@ class LiveRun(param.Parameterized):
                 self._summary = json.loads((run_dir / SUMMARY).read_text())
             except (OSError, json.JSONDecodeError):
                 pass
-            word = "Stopped" if self.buffers.finished.get("stopped") else "Finished"
-            self.status = f"{word}: {run_dir.name} — {_finish_text(self.buffers.finished)}"
+            self.status = _ended_text(run_dir, self.buffers.finished, False)
 
     # -- the UI thread's periodic work -----------------------------------------------------
 
-    def drain(self, max_events: int = 200000) -> int:
+    def drain(self, max_events: int = _DRAIN_EVENTS) -> int:
         """Move queued events into the buffers and update the status; returns how many moved."""
         if self.mode == "monitor" and self._tail is not None:
             self._poll_monitor()
@@ -282,7 +317,12 @@ class LiveRun(param.Parameterized):
         try:
             kind, value = self._outcome.get_nowait()
         except queue.Empty:
-            if self.running and self.buffers.last_step and not self._stop.is_set():
+            if self.running and self.buffers.finished:
+                # Rank 0 has ended the run; its process is still saving the model. Said now,
+                # not when the process is gone (seconds later).
+                self.status = _ended_text(Path(self.run_dir), self.buffers.finished,
+                                          self._stop.is_set())
+            elif self.running and self.buffers.last_step and not self._stop.is_set():
                 self.status = f"Running {Path(self.run_dir).name}: step {self.buffers.last_step}"
             return
         # The worker has ended: take the events it queued last, then report.
@@ -301,14 +341,25 @@ class LiveRun(param.Parameterized):
             self.status = f"Run failed: {value}"
         else:
             self._summary = value
-            finished = self.buffers.finished or {}
-            word = "Stopped" if finished.get("stopped") or self._stop.is_set() else "Finished"
-            self.status = f"{word}: {Path(self.run_dir).name} — {_finish_text(finished)}"
+            self.status = _ended_text(Path(self.run_dir), self.buffers.finished or {},
+                                      self._stop.is_set())
+
+    @property
+    def from_server(self) -> bool:
+        """Whether the run on screen was started from a page of this server."""
+        return self.own or self._job is not None
 
     @property
     def summary(self) -> dict[str, Any] | None:
         """rank 0's summary of the last run started here, once it has ended."""
         return self._summary
+
+
+def _ended_text(run_dir: Path, finished: dict[str, Any], asked: bool) -> str:
+    """The status line of a run that has ended: Stopped (asked to, or its summary says so)
+    or Finished, its name, and what it reached."""
+    word = "Stopped" if finished.get("stopped") or asked else "Finished"
+    return f"{word}: {run_dir.name} — {_finish_text(finished)}"
 
 
 def _finish_text(finished: dict[str, Any]) -> str:

@@ -19,12 +19,12 @@ import param
 
 from dashboard.corpus_fit import fit_problems
 from labavg.averaging.registry import method_names
-from labavg.base.settings import check_directory, with_overrides
+from labavg.base.settings import check_directory, to_dict, with_overrides
 from labavg.training.config import (PRESETS, TrainConfig, check_setting, setting_field,
                                     setting_type, validate)
 from labavg.data.dataset import check_data_source
 from labavg.base.errors import UserError
-from labavg.jobs.index import effective_k
+from labavg.jobs.index import effective_k, flatten_config
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 # dotted TrainConfig key of each control, by the control's name (the key's last part)
@@ -33,6 +33,8 @@ DEFAULTS = "defaults"  # the preset of TrainConfig's own defaults
 # The key of a problem that no single control owns (settings that contradict each other).
 GENERAL = ""
 _KEPT_BY_PRESETS = ("ranks", "average_every", "data")
+# What `_values` sets whatever the boxes say: never an override of a run shown in the boxes.
+_SET_BY_THE_PAGE = ("out", "backend", "tensorboard")
 # One momentum box for the method chosen: BMUF's block momentum or DiLoCo's outer momentum
 # (the same rule, [0, 1)); plain averaging has none, and the box is then not used.
 METHOD_MOMENTUM = {"bmuf": "bmuf.momentum", "diloco": "diloco.momentum"}
@@ -108,6 +110,7 @@ class RunSettings(param.Parameterized):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
+        self._showing_run = False
         self.param.averaging.objects = list(method_names())  # methods registered since import
         self.param.watch(self._on_preset, "preset")
         self.param.watch(lambda *_: self._update_errors(),
@@ -115,6 +118,8 @@ class RunSettings(param.Parameterized):
         self._update_errors()
 
     def _on_preset(self, event: param.parameterized.Event) -> None:
+        if self._showing_run:
+            return  # show_run sets every box itself
         values = {} if event.new == DEFAULTS else PRESETS[event.new]
         shown = {key: name for name, key in CONTROLS.items()}
         extra = {k: v for k, v in values.items() if k not in shown}
@@ -125,6 +130,31 @@ class RunSettings(param.Parameterized):
         update.update({shown[k]: v for k, v in values.items() if k in shown})
         # A preset's values replace what was typed, refused text included.
         self.param.update(**update, overrides={**self.overrides, **extra}, typed={})
+
+    def show_run(self, config: dict[str, Any], runs_dir: str | None = None) -> None:
+        """Every box as run `config` (a config.json's dict) trained, so that Start trains what
+        is on screen: the controls their values, the rest of its settings as overrides, the
+        preset whose values it has (else defaults), `runs_dir` where the run was written."""
+        flat = flatten_config(config)
+        values: dict[str, Any] = {name: flat[key] for name, key in CONTROLS.items() if key in flat}
+        momentum = METHOD_MOMENTUM.get(flat.get("averaging"))
+        if momentum in flat:
+            values["momentum"] = flat[momentum]
+        if flat.get("backend") in BACKEND_LABELS.values():
+            values["backend"] = _backend_label(flat["backend"])
+        if runs_dir is not None:
+            values["runs_dir"] = runs_dir
+        shown = {*CONTROLS.values(), *METHOD_MOMENTUM.values(), *_SET_BY_THE_PAGE}
+        defaults = flatten_config(to_dict(TrainConfig()))
+        overrides = {k: v for k, v in flat.items()
+                     if k in defaults and k not in shown and v != defaults[k]}
+        preset = next((name for name, preset in PRESETS.items()
+                       if all(flat.get(k) == v for k, v in preset.items())), DEFAULTS)
+        self._showing_run = True
+        try:
+            self.param.update(preset=preset, **values, overrides=overrides, typed={})
+        finally:
+            self._showing_run = False
 
     def key_of(self, name: str) -> str | None:
         """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""

@@ -695,3 +695,108 @@ def test_mpi_engines_say_they_are_starting_until_they_train(corpus, tmp_path):
     # Until the first step arrives the page says the engines are starting, then what runs.
     assert live.status.startswith("Finished:"), live.status
     assert {"Starting", "Finished:"} <= seen and live.summary["ranks"] == 2
+
+
+def test_a_run_started_from_the_page_trains_in_a_job_process_not_the_servers(corpus, tmp_path):
+    """In-process workers too: the ranks are threads of one job process, never of the
+    server's (training there once held the page for 18-53 s under load)."""
+    import os
+
+    from labavg.jobs.index import read_events
+
+    live = LiveRun()
+    assert live.start(tiny_settings(corpus, tmp_path, ranks=2))
+    assert "in a job process" in live.status
+    run_to_end(live)
+    started = [e for e in read_events(Path(live.run_dir)) if e["type"] == "run_started"]
+    assert {e["rank"] for e in started} == {0, 1}
+    assert {e["pid"] for e in started} != {os.getpid()} and len({e["pid"] for e in started}) == 1
+    assert live.status.startswith("Finished:") and live.summary["ranks"] == 2
+    assert not (Path(live.run_dir) / ".stop").exists()  # the job's own files are gone
+
+
+def test_stopped_is_said_when_rank_0_ends_the_run_not_when_its_process_exits(corpus, tmp_path):
+    live = LiveRun()
+    assert live.start(tiny_settings(corpus, tmp_path, epochs=50))
+    try:
+        wait = time.monotonic() + 60
+        while live.buffers.last_step < 2:
+            assert time.monotonic() < wait and live.running, live.status
+            live.drain()
+            time.sleep(0.02)
+        live.stop()
+        assert live.status.startswith("Stopping")
+        while not live.buffers.finished:
+            assert time.monotonic() < wait + 60, live.status
+            live.drain()
+            time.sleep(0.02)
+        # The drain that took rank 0's run_finished says so, whether or not the job's
+        # process has exited yet (it still saves the model).
+        assert live.status.startswith("Stopped:"), live.status
+    finally:
+        live.stop()
+        live.join(60)
+        run_to_end(live)
+    assert json.loads((Path(live.run_dir) / "summary.json").read_text())["stopped"] is True
+
+
+def test_a_reload_shows_the_runs_settings_not_the_defaults(corpus, tmp_path):
+    """A reload mid-run (a new Dashboard) shows the server's run and, in its boxes, the
+    settings that run trains with; after the run, a new page shows the last run the same way;
+    Start then trains what is on screen."""
+    pytest.importorskip("panel")
+    from dashboard.app import Dashboard
+    from labavg.training.config import config_from_dict
+
+    runs = tmp_path / "runs"
+    first = Dashboard(runs_dir=str(tmp_path / "elsewhere"), data=str(corpus))
+    first.settings.param.update(**{k: v for k, v in dict(
+        data=str(corpus), runs_dir=str(runs), ranks=3, average_every=5, minibatch=64, epochs=50,
+        hidden_layers=1, hidden_dim=24, context=2, lr=0.004, averaging="bmuf",
+        momentum=0.25).items()}, overrides={"data.buffer_frames": 2048})
+    assert first.live.start(first.settings), first.live.status
+    config = first.live.config
+    try:
+        reload = Dashboard(runs_dir=str(tmp_path / "defaults"))
+        assert reload.live.run_dir == first.live.run_dir and reload.live.running
+        shown = reload.settings
+        assert (shown.ranks, shown.average_every, shown.hidden_dim, shown.lr, shown.averaging,
+                shown.momentum, shown.epochs) == (3, 5, 24, 0.004, "bmuf", 0.25, 50)
+        assert shown.runs_dir == str(runs) and shown.data == str(corpus)
+        assert shown.overrides == {"data.buffer_frames": 2048} and not shown.errors
+        again = to_dict_of(shown.to_config(Path(config["out"])))
+        assert again == config
+    finally:
+        first.live.stop()
+        first.live.join(60)
+        run_to_end(first.live)
+    after = Dashboard(runs_dir=str(tmp_path / "defaults"))
+    assert after.live.run_dir == first.live.run_dir and after.settings.hidden_dim == 24
+    assert not after.live.running and after.controls.stop_button.disabled  # read in, not followed
+    for _ in range(50):
+        after.tick()
+        if after.live.mode == "idle":
+            break
+        time.sleep(0.05)
+    assert after.live.status.startswith("Stopped:"), after.live.status
+    assert after.live.buffers.finished and after.live.buffers.ranks == 3
+    assert config_from_dict(config, "x").model.hidden_dim == 24
+
+
+def test_show_run_names_the_preset_a_run_has_and_keeps_its_values(corpus, tmp_path):
+    from labavg.training.config import PRESETS
+
+    settings = tiny_settings(corpus, tmp_path)
+    cfg = to_dict_of(preset_config("teaching", with_overrides(TrainConfig(), {
+        "data.data": str(corpus), "ranks": 4, "out": str(tmp_path / "r")})))
+    settings.show_run(cfg)
+    assert settings.preset == "teaching"
+    assert settings.hidden_dim == PRESETS["teaching"]["model.hidden_dim"] and settings.ranks == 4
+    assert settings.minibatch == TrainConfig().minibatch and settings.overrides == {}
+    assert settings.typed == {}
+
+
+def to_dict_of(cfg) -> dict:
+    from labavg.base.settings import to_dict
+
+    return to_dict(cfg)
