@@ -180,8 +180,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs_under(path: str) -> list[Path]:
-    """`path` if it is a run, else every run below it (a run's own subfolders are not searched)."""
+def _runs_under(path: str, problems: list[str]) -> list[Path]:
+    """`path` if it is a run, else every run below it (a run's own subfolders are not searched);
+    a folder that cannot be listed is added to `problems` and the search goes on."""
     import re
 
     from labavg.jobs.index import CONFIG, SUMMARY
@@ -194,46 +195,63 @@ def _runs_under(path: str) -> list[Path]:
     # Sweeps name runs ranks_1, ranks_2, ..., ranks_16: compare their numbers as numbers.
     natural = lambda name: [(0, int(t), "") if t.isdigit() else (1, 0, t)  # noqa: E731
                             for t in re.split(r"(\d+)", name)]
-    found = []
-    for here, dirs, files in os.walk(top):
+    found, unreadable = [], []
+    on_error = lambda exc: unreadable.append(f"cannot read {exc.filename}: {exc.strerror}")  # noqa: E731
+    for here, dirs, files in os.walk(top, onerror=on_error):
         if CONFIG in files or SUMMARY in files:
             found.append(Path(here))
             dirs[:] = []
         else:
             dirs.sort(key=natural)
-    if not found:
+    problems += unreadable
+    if not found and not unreadable:
         raise UserError(f"{path}: no labavg run in it or below it (no {CONFIG} or {SUMMARY})")
     return found
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from labavg.jobs.index import CONFIG, SUMMARY, read_json
-    from labavg.jobs.summary import format_table
-    from labavg.jobs.runs import read_summary
+def _info_of(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A run's summary (or, started and not ended, its config) and its table row."""
+    from labavg.jobs.index import CONFIG, SUMMARY
+    from labavg.jobs.run_json import read_config_file, read_summary_file
 
-    run_dirs, seen = [], set()
+    try:
+        summary = {"run": str(run_dir), **read_summary_file(run_dir / SUMMARY)}
+        return summary, summary
+    except FileNotFoundError:  # started, not ended: its settings are known, its results not yet
+        pass
+    try:
+        config = read_config_file(run_dir / CONFIG)
+    except FileNotFoundError:
+        raise UserError(f"{run_dir / CONFIG}: missing (the run has no {SUMMARY} either)") from None
+    return ({"run": str(run_dir), "status": "running/incomplete", "config": config},
+            {"run": f"{run_dir} (running/incomplete)", "config": config})
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from labavg.base.errors import one_line
+    from labavg.jobs.summary import format_table
+
+    run_dirs, seen, problems = [], set(), []
     for path in args.run_dirs:
-        for run_dir in _runs_under(path):
+        for run_dir in _runs_under(path, problems):
             if run_dir.resolve() not in seen:
                 seen.add(run_dir.resolve())
                 run_dirs.append(run_dir)
     summaries, rows = [], []
     for run_dir in run_dirs:
-        if (run_dir / SUMMARY).exists():
-            summary = {"run": str(run_dir), **read_summary(run_dir)}
-            row = summary
-        else:  # started, not ended: its settings are known, its results not yet
-            config = read_json(run_dir / CONFIG)
-            if not isinstance(config, dict):
-                raise UserError(f"{run_dir / CONFIG}: not a JSON object")
-            summary = {"run": str(run_dir), "status": "running/incomplete", "config": config}
-            row = {"run": f"{run_dir} (running/incomplete)", "config": config}
+        try:  # one damaged run is named; the others are still listed
+            summary, row = _info_of(run_dir)
+        except UserError as exc:
+            problems.append(str(exc))
+            continue
         summaries.append(summary)
         rows.append(row)
     if args.json:
         # One run named by itself prints its object, as before; anything searched is a list.
         single = len(summaries) == 1 and len(args.run_dirs) == 1 and run_dirs[0] == Path(args.run_dirs[0])
         print(json.dumps(summaries[0] if single else summaries, indent=2))
-    else:
+    elif rows:
         print(format_table(rows))
-    return 0
+    for problem in problems:
+        print(f"labavg: error: {one_line(problem)}", file=sys.stderr)
+    return 2 if problems else 0

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labavg.base.errors import DataError, UserError
+from labavg.base.json_files import NUMBER, PAIR, TEXT, check_fields, load_json
 from labavg.decode.task import SetResult
+
+
+# What a comparison reads of result.json, with the type it needs (labavg.base.json_files).
+RESULT_FIELDS = {"acwt": NUMBER, "wer": NUMBER, "per": NUMBER, "wer_ci": PAIR, "per_ci": PAIR,
+                 "acwt_from": TEXT}
 
 
 def acwt_name(acwt: float) -> str:
@@ -57,7 +63,15 @@ def write_decode_dir(out: Path, result: SetResult, acwt: float, per, summary: di
 def _read_table(path: Path) -> dict[str, list[str]]:
     """`key word word ...` lines (Kaldi text format; a key alone is an empty hypothesis)."""
     table: dict[str, list[str]] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path} not found: {path.parent} is incomplete") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: binary data, not Kaldi text (byte {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         fields = line.split()
         if not fields:
             continue
@@ -84,18 +98,15 @@ def read_decode_dir(run_dir: str | os.PathLike, set_name: str = "test") -> Decod
     run_dir = Path(run_dir)
     out = run_dir / f"decode_{set_name}"
     result_path = out / "result.json"
-    if not result_path.is_file():
-        raise UserError(f"{result_path} not found: decode the set first (labavg decode "
-                        f"{run_dir} --data DIR, or train with --decode-data)")
     try:
-        result = json.loads(result_path.read_text(encoding="utf-8"))
-        acwt = float(result["acwt"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{result_path}: not a decode result ({exc})") from None
+        result = check_fields(load_json(result_path), RESULT_FIELDS, result_path, "decode result")
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{result_path} not found: decode the set first (labavg decode "
+                        f"{run_dir} --data DIR, or train with --decode-data)") from None
+    if result.get("acwt") is None:
+        raise DataError(f"{result_path}: not a decode result (no field 'acwt')")
+    acwt = float(result["acwt"])
     hyp_path = out / f"hyp_{acwt_name(acwt)}.txt"
-    for path in (out / "ref.txt", hyp_path):
-        if not path.is_file():
-            raise DataError(f"{path} not found: {out} is incomplete")
     refs, hyps = _read_table(out / "ref.txt"), _read_table(hyp_path)
     if refs.keys() != hyps.keys():
         missing = sorted(refs.keys() ^ hyps.keys())

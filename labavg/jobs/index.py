@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from labavg.averaging.registry import MethodTable
+from labavg.base.errors import UserError
+from labavg.jobs.run_json import load_json, read_config_file, read_summary_file
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
@@ -82,10 +84,11 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def read_json(path: Path) -> Any:
-    """The JSON in `path`, or None when it is missing or not (yet) valid."""
+    """The JSON in `path`, or None when it is missing or not (yet) valid (binary, too deep,
+    unreadable: labavg.jobs.run_json says which)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        return load_json(path)
+    except (OSError, UserError):
         return None
 
 
@@ -96,6 +99,7 @@ class RunRecord:
     path: Path
     config: dict[str, Any]
     summary: dict[str, Any] | None
+    damaged: str | None = None  # why a summary.json there was not used (file and field)
 
     @property
     def name(self) -> str:
@@ -107,10 +111,16 @@ def list_runs(root: Path) -> list[RunRecord]:
     root = Path(root).expanduser()
     records = []
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
-        config = read_json(run_dir / CONFIG)
-        if isinstance(config, dict):
-            summary = read_json(run_dir / SUMMARY)
-            records.append(RunRecord(run_dir, config, summary if isinstance(summary, dict) else None))
+        try:
+            config = read_config_file(run_dir / CONFIG)
+        except (OSError, UserError):
+            continue
+        try:
+            records.append(RunRecord(run_dir, config, read_summary_file(run_dir / SUMMARY)))
+        except FileNotFoundError:
+            records.append(RunRecord(run_dir, config, None))
+        except (OSError, UserError) as exc:
+            records.append(RunRecord(run_dir, config, None, damaged=str(exc)))
     return records
 
 

@@ -3,7 +3,6 @@ of summaries."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -14,21 +13,16 @@ from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
 from labavg.jobs.index import SUMMARY, summary_row
+from labavg.jobs.run_json import read_summary_file
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """summary.json of a finished run; UserError naming the path otherwise."""
     path = Path(run_dir) / SUMMARY
     try:
-        summary = json.loads(path.read_text())
+        return read_summary_file(path)  # each field the tables format checked for its type
     except FileNotFoundError:
         raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(summary, dict):
-        raise UserError(f"{path}: not a labavg summary (a JSON {type(summary).__name__}, "
-                        f"expected an object)")
-    return summary
 
 
 def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,

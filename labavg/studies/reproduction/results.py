@@ -16,7 +16,9 @@ from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError
+from labavg.base.json_files import MAX_DEPTH, OBJECT, TEXT, check_fields, nesting_depth
 from labavg.jobs.index import flatten_config, list_runs
+from labavg.jobs.run_json import SUMMARY_FIELDS
 from labavg.studies.reproduction.verdicts import Spread, log_ratio, spread
 
 RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
@@ -123,16 +125,32 @@ def read_results_file(path: Path) -> dict[str, list[Run]]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise UserError(f"cannot read results file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        line = text_line_of(Path(path).read_bytes(), exc.start)
+        raise UserError(f"{path}, line {line}: binary data, not a results line") from None
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}, line {number}"
+        if nesting_depth(line) > MAX_DEPTH:
+            raise UserError(f"{where}: not a results line (nested more than {MAX_DEPTH} levels)")
         try:
             item = json.loads(line)
-            out.setdefault(item["sweep"], []).append(
-                Run(item["name"], item["settings"], item["summary"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"{path}, line {number}: not a results line ({exc})") from None
+        except ValueError as exc:
+            raise UserError(f"{where}: not a results line ({exc})") from None
+        check_fields(item, {"sweep": TEXT, "name": TEXT, "settings": OBJECT, "summary": OBJECT},
+                     where, "results line")
+        missing = [k for k in ("sweep", "name", "settings", "summary") if item.get(k) is None]
+        if missing:
+            raise UserError(f"{where}: not a results line (no field {missing[0]!r})")
+        check_fields(item["summary"], SUMMARY_FIELDS, f"{where}, summary", "summary")
+        out.setdefault(item["sweep"], []).append(Run(item["name"], item["settings"], item["summary"]))
     return out
+
+
+def text_line_of(data: bytes, offset: int) -> int:
+    """The 1-based line of byte `offset`."""
+    return data.count(b"\n", 0, offset) + 1
 
 
 def with_recorded(runs: dict[str, list[Run]], results: Path) -> dict[str, list[Run]]:
