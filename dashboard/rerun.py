@@ -1,9 +1,10 @@
 """A small control for a notebook: rerun one configuration with another K and learning rate,
 and see it beside the runs before it (a table of results and the divergence before each round).
 
-It trains through what the notebook already has (the MPI engines' `Cluster.submit`, or
-`run_training` in the kernel) and checks each box with the CLI's rules (`check_setting`) before
-anything starts, so a bad value is named under its box instead of failing a run.
+It trains through `labavg.jobs.launch.start_run` on what the notebook already has (the MPI
+engines of its cluster, or threads in the kernel) and checks each box with the CLI's rules
+(`check_setting`) before anything starts, so a bad value is named under its box, in the box's
+words, instead of failing a run.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.summary import format_table
 from labavg.jobs.index import read_events
-from labavg.jobs.runs import run_training
+from labavg.jobs.launch import start_run
 
+# What a refusal calls each box: its label's words, not the setting's key.
+BOX_WORDS = {"average_every": "K (average every)", "lr": "learning rate"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
@@ -69,12 +72,12 @@ class RerunControl(pn.viewable.Viewer):
         self._check()
 
     def errors(self) -> dict[str, str]:
-        """What is wrong with each box, in the CLI's words."""
+        """What is wrong with each box, with the CLI's rules in the box's words."""
         found = {}
         for key, widget in (("average_every", self.k), ("lr", self.lr)):
             problem = check_setting(key, widget.value)
             if problem:
-                found[key] = problem
+                found[key] = problem.replace(key, BOX_WORDS[key], 1)
         return found
 
     def _check(self, *_: Any) -> None:
@@ -107,10 +110,7 @@ class RerunControl(pn.viewable.Viewer):
         self.button.disabled = True
         self.status.object = f"training {run_label(cfg)} on {cfg.ranks} {cfg.backend} ranks ..."
         try:
-            if self.cluster is not None:
-                summary = self.cluster.submit(cfg).wait()
-            else:
-                summary = run_training(cfg)
+            summary = start_run(cfg, cluster=self.cluster).wait()
         except Exception as exc:
             self.status.object = f"**the run failed:** {exc}"
             raise

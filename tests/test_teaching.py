@@ -115,11 +115,11 @@ def test_the_rerun_control_refuses_bad_boxes_before_anything_starts(rerun_base, 
     control = RerunControl(rerun_base, tmp_path / "runs")
     assert not control.button.disabled and control.k_message.object == ""
     control.k.value = 0
-    assert control.k_message.object == "average_every must be positive; got 0"
+    assert control.k_message.object == "K (average every) must be positive; got 0"
     assert control.button.disabled
     control.lr.value = -0.1
-    assert control.lr_message.object == "lr must be positive and finite; got -0.1"
-    with pytest.raises(UserError, match="average_every must be positive; got 0"):
+    assert control.lr_message.object == "learning rate must be positive and finite; got -0.1"
+    with pytest.raises(UserError, match=r"K \(average every\) must be positive; got 0"):
         control.run()
     assert not (tmp_path / "runs").exists(), "nothing started"
     control.k.value, control.lr.value = 3, 0.004
