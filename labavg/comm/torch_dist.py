@@ -77,12 +77,12 @@ class TorchDistCommunicator:
             self._dist.broadcast(buf, src=self._global(root), group=self._group)
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        """Fill `recv` with every rank's `send`, in rank order (all_gather_into_tensor)."""
+        """Fill `recv` with every rank's `send`, in rank order (all_gather_single)."""
         check_gather(send, recv, self.size)
         if self.size == 1:
             recv.copy_(send)
             return
-        self._dist.all_gather_into_tensor(recv, send)
+        self._dist.all_gather_single(recv, send, group=self._group)
 
     def sendrecv(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None,
                  src: int) -> None:

@@ -69,17 +69,21 @@ def measured_speedup(pairs: Iterable[tuple[float, float]], ranks: int, cores: in
         return Speedup(1.0, 1.0, 1.0, 0, 1, cores, 1.0, load, threads, None)
     value = statistics.median(ratios) if ratios else None
     return Speedup(value, min(ratios, default=None), max(ratios, default=None), len(ratios),
-                   ranks, cores, bound, load, threads, _flag(value, ranks, cores, bound, threads))
+                   ranks, cores, bound, load, threads,
+                   _flag(value, max(ratios, default=None), ranks, cores, bound, threads))
 
 
-def _flag(value: float | None, ranks: int, cores: int, bound: float, threads: bool) -> str | None:
+def _flag(value: float | None, high: float | None, ranks: int, cores: int, bound: float,
+          threads: bool) -> str | None:
     notes = []
     if cores and ranks > cores:
-        notes.append(f"{ranks} {'threads' if threads else 'ranks'} on {cores} cores: "
-                     f"at most {cores}x here")
-    if value is not None and value > bound:
+        notes.append(f"{ranks} {'threads' if threads else 'ranks'} on {cores} "
+                     f"core{'s' if cores != 1 else ''}: at most {cores}x here")
+    if high is not None and high > bound:
         # Pairs are short segments: a preempted solo segment reads slow and its pair high.
-        notes.append(f"above the {bound:g}x the cores allow: timing noise of the pairs, "
+        what = (f"{value:.2f}x is" if value is not None and value > bound
+                else f"pairs up to {high:.2f}x are")
+        notes.append(f"{what} above the {bound:g}x the cores allow: timing noise of the pairs, "
                      "not a real gain")
     return "; ".join(notes) or None
 

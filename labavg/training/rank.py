@@ -206,7 +206,8 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
         if scope is None:
             continue
         yield from _average(run, scope)
-        yield from close_pair(run.probe, run.comm.rank, step, run.progress.rounds, run.device)
+        yield from close_pair(run.probe, run.comm.rank, step, run.progress.rounds, end_of_epoch,
+                              run.device)
         # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
         # after it (they took seconds on a class corpus), only the checkpoint to resume from.
         if run.run_dir is not None and (run.stopped or (

@@ -3,10 +3,11 @@ paper's timing table, fitted and held out row by row, and this machine's MPI mea
 
 from __future__ import annotations
 
+from labavg.jobs.speedup import Speedup, speedup_from_summary
 from labavg.studies import costfit, costmodel
 from labavg.studies.reproduction.paper import PAPER_SPEEDUP_K
 from labavg.studies.reproduction.results import Run
-from labavg.studies.reproduction.tables import markdown_table, num, words
+from labavg.studies.reproduction.tables import markdown_table, words
 
 # The MPI runs `labavg reproduce` measures: (run name, ranks, K).
 MPI_POINTS = (("ranks1", 1, 10), ("ranks2", 2, 10), ("ranks2-K20", 2, 20))
@@ -65,25 +66,42 @@ def speedup_section(mpi_runs: list[Run]) -> list[str]:
     """The cost model on the paper's timing table, and this machine's measurement."""
     out = ["#### The paper's timing table and the cost model", ""] + cost_model_table()
     summaries = {r.name: r.summary for r in mpi_runs}
-    if "ranks1" not in summaries or len(summaries) < 2:
+    if not any(summaries.get(name) for name, ranks, _ in MPI_POINTS if ranks > 1):
         return out + ["", "No MPI measurement in this report."]
-    one = summaries["ranks1"]
-    rows = []
+    rows, flags = [], []
     for name, ranks, k in MPI_POINTS:
         s = summaries.get(name)
         if s is None:
             continue
-        speedup = one["wall_seconds"] / s["wall_seconds"] if ranks > 1 else None
+        speedup = speedup_from_summary(s)
         predicted = "-"
         if ranks > 1:
             pred = costmodel.predict(costmodel.from_summary(s), [16], Ks=[k])[0]
             predicted = f"{pred.speedup:.2f} (efficiency {pred.efficiency:.2f})"
+        if speedup is not None and speedup.flag:
+            flags.append(f"{ranks} ranks, K = {k}: {speedup.flag}.")
         rows.append((ranks, k, f"{s['wall_seconds']:.1f}", f"{s['compute_seconds']:.1f}",
-                     f"{s['comm_seconds']:.2f}", f"{100 * s['comm_fraction']:.1f}", num(speedup),
+                     f"{s['comm_seconds']:.2f}", f"{100 * s['comm_fraction']:.1f}",
+                     _measured(speedup), speedup.cores if speedup and speedup.cores else "-",
+                     "-" if speedup is None or speedup.load is None else f"{speedup.load:.1f}",
                      predicted))
     out += ["", "#### Measured on this machine (MPI ranks, one thread each, 1 epoch)", ""]
     out += markdown_table(("ranks", "K", "wall s", "compute s", "comm s", "comm %",
-                           "speedup vs 1 rank", "cost model at 16 ranks, 10 GbE"), rows)
-    return out + ["", "The prediction takes this run's compute per minibatch and its measured "
+                           "speedup (range over pairs)", "cores", "load",
+                           "cost model at 16 ranks, 10 GbE"), rows)
+    return out + ["", "Each speedup is measured inside its run, in pairs (labavg.jobs.speedup, "
+                  "docs/cost-model.md): rank 0 trains a few minibatches alone while the other "
+                  "ranks wait idle, then all ranks train to the next averaging round; the median "
+                  "of ranks x solo / parallel seconds per minibatch over the pairs, with their "
+                  "range. No speedup can exceed min(ranks, cores) here. " + " ".join(flags),
+                  "", "The prediction takes this run's compute per minibatch and its measured "
                   "seconds per averaging round as the local overhead, plus the allreduce of its "
                   "parameters over 10 GbE (costmodel.predict)."]
+
+
+def _measured(speedup: Speedup | None) -> str:
+    if speedup is None or speedup.value is None:
+        return "not measured"
+    if speedup.ranks == 1:
+        return "1 (reference)"
+    return f"{speedup.value:.2f} ({speedup.low:.2f}-{speedup.high:.2f}, {speedup.pairs} pairs)"

@@ -1,0 +1,103 @@
+""""Measure speedup": short runs of 2 and 4 ranks, each measuring its own speedup in pairs
+(labavg.jobs.speedup), beside the cost model's line for as many machines and the cores' bound.
+
+The dashboard's Scaling tab and notebook 07 call `measure_speedup`; the runs are jobs started
+through labavg.jobs.launch.start_run (MPI processes), never threads of the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from labavg.base.errors import UserError
+from labavg.base.settings import with_overrides
+from labavg.jobs.speedup import Speedup, measured_speedup, speedup_from_summary
+from labavg.studies import costmodel
+from labavg.training.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class ScalingPoint:
+    """One point of a speedup plot: what was measured at `ranks`, what the cores allow, and the
+    cost model's speedup for `ranks` machines of one rank each (from a measured run's costs)."""
+
+    ranks: int
+    speedup: Speedup
+    bound: float  # min(ranks, cores)
+    predicted: float | None  # the cost model, 10 GbE, at this run's K
+
+
+def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (2, 4), *,
+                    epochs: int = 1, pairs: int = 5, backend: str = "mpi",
+                    on_event: Callable[[dict[str, Any]], None] | None = None) -> list[Speedup]:
+    """Train `base` for `epochs` at each number of `ranks` under `out`/nN, one after another,
+    and return each run's paired speedup, the 1-rank reference first (1.0 by definition).
+
+    A run directory that already holds a finished run is read back, not trained again.
+    """
+    from labavg.jobs.launch import start_run
+
+    out = Path(out)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    results = [measured_speedup([], 1, cores or 0)]
+    for n in ranks:
+        if n < 2:
+            raise UserError(f"measure_speedup: ranks must be 2 or more, got {n}")
+        run_dir = out / f"n{n}"
+        summary = _finished(run_dir)
+        if summary is None:
+            cfg = with_overrides(base, {"out": str(run_dir), "ranks": n, "backend": backend,
+                                        "epochs": epochs, "speedup_pairs": pairs,
+                                        "decode_data": None, "tensorboard": False})
+            handle = start_run(cfg, resume=run_dir.exists())  # an interrupted one goes on
+            while not handle.done():
+                for event in handle.poll():
+                    if on_event is not None:
+                        on_event(event)
+                time.sleep(0.2)
+            summary = handle.wait()
+        speedup = speedup_from_summary(summary or {})
+        if speedup is None:
+            raise UserError(f"{run_dir}: the run wrote no speedup")
+        results.append(speedup)
+    return results
+
+
+def scaling_points(speedups: Sequence[Speedup], run_dirs: Sequence[Path] = ()) -> list[ScalingPoint]:
+    """Plot points for `speedups` (measure_speedup's), each with the cores' bound and the cost
+    model's prediction taken from the first of `run_dirs` that holds a finished run."""
+    costs = None
+    for run_dir in run_dirs:
+        summary = _finished(Path(run_dir))
+        if summary is not None and summary.get("ranks", 1) > 1:
+            costs = costmodel.from_summary(summary)
+            break
+    k = None if costs is None else _k_of(run_dirs)
+    points = []
+    for s in speedups:
+        predicted = None
+        if costs is not None:
+            predicted = costmodel.predict(costs, [s.ranks], Ks=[k or 10])[0].speedup
+        points.append(ScalingPoint(s.ranks, s, s.bound, predicted))
+    return points
+
+
+def _k_of(run_dirs: Sequence[Path]) -> int | None:
+    for run_dir in run_dirs:
+        summary = _finished(Path(run_dir))
+        if summary is not None and isinstance(summary.get("average_every"), int):
+            return summary["average_every"]
+    return None
+
+
+def _finished(run_dir: Path) -> dict[str, Any] | None:
+    from labavg.jobs.summary import read_summary
+
+    if not (run_dir / "summary.json").is_file():
+        return None
+    return read_summary(run_dir)
