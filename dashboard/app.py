@@ -26,6 +26,7 @@ from panel.theme import Fast  # noqa: E402
 from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
 from dashboard.live_view import LivePlots  # noqa: E402
 from dashboard.runs_view import RunsView  # noqa: E402
+from dashboard.scaling_view import ScalingView  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
@@ -56,6 +57,7 @@ class Dashboard:
         self.table = RunTable(runs_dir=runs_dir)
         self.plots = LivePlots(self.live)
         self.runs = RunsView(self.table)
+        self.scaling = ScalingView(self.table, self.settings)
         self.controls = RunControls(self.settings, self.live)
         self.settings.param.watch(lambda e: setattr(self.table, "runs_dir", e.new), "runs_dir")
         self.table.param.watch(lambda _: self.runs.refresh(), "runs_dir")
@@ -65,6 +67,7 @@ class Dashboard:
         self.live.param.watch(self._show_run_settings, "config")
         self._ticks = 0
         self.runs.refresh()
+        self.scaling.refresh()
         # A reload, or a second page, shows the server's run in progress, else its last run.
         self.live.attach(last=True)
 
@@ -81,12 +84,13 @@ class Dashboard:
             self.live.attach()
         self.live.drain()
         self.plots.update()
+        self.scaling.tick()
         self._ticks += 1
         if self.live.running and self._ticks % _TABLE_EVERY_TICKS == 0:
             self.runs.refresh()
 
     def _main(self) -> pn.Column:
-        tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.runs.scaling_view()),
+        tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.scaling),
                        ("Communication", self.runs.communication_view()),
                        dynamic=False, sizing_mode="stretch_width")
         return pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")

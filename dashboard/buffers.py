@@ -87,6 +87,7 @@ class RunBuffers:
         self.last_step = 0
         self.finished: dict[str, Any] | None = None
         self.started: dict[str, Any] | None = None  # rank 0's run_started
+        self.pairs: list[dict[str, Any]] = []  # rank 0's speedup_pair events (labavg.jobs.speedup)
         self.messages: deque = deque(maxlen=20)
         # Throughput as Su & Chen's epoch time counts it: frames of all ranks over rank 0's
         # compute + averaging seconds (the ranks wait for each other at every round).
@@ -117,6 +118,8 @@ class RunBuffers:
                 self.round_steps = event["step"] - start
         elif kind == "run_started" and rank == 0:
             self.started = event
+        elif kind == "speedup_pair" and rank == 0:
+            self.pairs.append(event)
         elif kind == "epoch" and rank == 0:
             self.cv.append((event["epoch"], event["cv_frame_accuracy"], event["train_frame_accuracy"]))
         elif kind == "message":
@@ -130,6 +133,10 @@ class RunBuffers:
     def frames_per_second(self) -> float | None:
         """Frames per second of all ranks so far (training time), None before a round."""
         return self.frames / self.seconds if self.seconds > 0 else None
+
+    def speedup_events(self) -> list[dict[str, Any]]:
+        """What `labavg.jobs.speedup.speedup_from_events` reads: rank 0's run_started and pairs."""
+        return [] if self.started is None else [self.started, *self.pairs]
 
     def measured_costs(self, minibatch: int) -> MeasuredCosts | None:
         """The cost model's inputs as this run measured them, once it has averaged."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import queue
 import threading
 import time
@@ -24,11 +23,11 @@ import param
 
 from dashboard.buffers import POINTS_PER_CURVE, RunBuffers
 from dashboard.settings import RunSettings, new_run_dir
-from dashboard.speedup import Speedup, live_speedup
+from dashboard.speedup import RunSpeedup, live_speedup
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line, user_error_of
-from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail, find_throughput_baseline
+from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +92,6 @@ class LiveRun(param.Parameterized):
         self._tail: EventTail | None = None
         self._summary: dict[str, Any] | None = None
         self._job: Job | None = None  # the server's run this page follows (started elsewhere)
-        # The summary of the finished 1-rank run the run on screen is measured against.
-        self.baseline: dict[str, Any] | None = None
-        self.load: float | None = None  # the load average as the run on screen started
 
     # -- starting and stopping -------------------------------------------------------------
 
@@ -131,7 +127,6 @@ class LiveRun(param.Parameterized):
         backend = settings.backend
         self.own, self._job = True, None
         self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
-        self.baseline = find_throughput_baseline(out, self.config)
         # In-process workers are threads of one job process, never of this server's.
         launcher = "job" if backend == "in-process workers" else "engines"
         job = Job(str(out), self._stop, self.config)
@@ -153,9 +148,9 @@ class LiveRun(param.Parameterized):
         self._thread.start()
         return True
 
-    def speedup(self) -> Speedup:
-        """The run on screen's speedup against its 1-rank baseline, and the cost model's."""
-        return live_speedup(self.buffers, self.config, self.baseline, self._summary, self.load)
+    def speedup(self) -> RunSpeedup:
+        """The run on screen's measured speedup (labavg.jobs.speedup) and the cost model's."""
+        return live_speedup(self.buffers, self.config, self._summary)
 
     def stop(self) -> None:
         """Ask the run to stop at its next averaging round (all ranks stop together)."""
@@ -183,9 +178,6 @@ class LiveRun(param.Parameterized):
         self._outcome = queue.SimpleQueue()
         self._stop = threading.Event()
         self._summary = None
-        self.baseline = None
-        # The load average as the run starts (summary.json records the trainer's own).
-        self.load: float | None = os.getloadavg()[0] if mode == "live" else None
         self.error = ""
         self.param.update(config=config, run_dir=run_dir, mode=mode)
         self.generation += 1
@@ -279,8 +271,6 @@ class LiveRun(param.Parameterized):
             self.config = config
             self.generation += 1
             self.status = f"Following {run_dir}…"
-        if self.baseline is None and self._summary is None:
-            self.baseline = find_throughput_baseline(run_dir, self.config)
         for event in self._tail.read(_TAIL_BYTES):
             self._events.put(event)
         if (run_dir / SUMMARY).is_file() and self._events.empty() and self.buffers.finished:

@@ -24,30 +24,35 @@ from dashboard.plots import (
     load_backend,
     rank_curves,
 )
-from dashboard.speedup import PREDICTION_NETWORK, Speedup
+from dashboard.speedup import PREDICTION_NETWORK, RunSpeedup, machine_cores, shown_text
 
 _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
 _SETTLE_TICKS = 3  # updates to wait after replacing the plots before streaming into them
 
 
-def speedup_text(speedup: Speedup) -> str:
-    """One or two lines on the Live tab: the speedup (the runs table's number) and the prediction."""
-    if speedup.speedup is not None:
-        head = (f"**Speedup {speedup.speedup:.2f}×, efficiency {100 * speedup.efficiency:.0f} %** "
-                f"— {speedup.frames_per_second:,.0f} frames/s on {speedup.ranks} ranks vs "
-                f"{speedup.baseline_frames_per_second:,.0f} on 1-rank run `{speedup.baseline_name}` "
-                "(training time; any K, lr, epochs).")
-        if speedup.warning:
-            head += f" **{speedup.warning}.**"
-    elif speedup.note:
-        head = f"**Speedup: -** {speedup.note}"
+def speedup_text(speedup: RunSpeedup, cores: int) -> str:
+    """One or two lines on the Live tab: the measured speedup (labavg.jobs.speedup's, the Runs
+    table's and the Scaling tab's text), then the cost model's for N machines and what the
+    cores here allow."""
+    measured = speedup.measured
+    if measured is not None and measured.value is not None and measured.ranks > 1:
+        head = (f"**Speedup {shown_text(measured)}**, efficiency "
+                f"{100 * measured.efficiency:.0f} % (measured in pairs inside this run).")
+    elif measured is not None and measured.ranks == 1:
+        head = f"**Speedup {shown_text(measured)}**"
     else:
-        head = "**Speedup: -**"
+        head = f"**Speedup: -** {speedup.note}"
     predicted = dict(speedup.predicted)
+    n = measured.ranks if measured is not None else None
     if predicted:
-        shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in (8, 32) if p in predicted)
-        head += (f"  \nCost model ({PREDICTION_NETWORK.name}, a rank per machine, K={speedup.K}, "
-                 f"{speedup.predicted_from}'s costs): {shown} ranks.")
+        shown = ", ".join(f"{predicted[p]:.1f}× at {p}" for p in sorted({n or 2, 8, 32})
+                          if p in predicted and p > 1)
+        bound = ""
+        if measured is not None and n > 1:
+            bound = (f"; the {measured.cores or cores} cores it ran on allow at most "
+                     f"{measured.bound:g}×")
+        head += (f"  \nCost model ({PREDICTION_NETWORK.name}, one rank per machine, "
+                 f"K={speedup.K}, this run's costs): {shown} machines{bound}.")
     return head
 
 
@@ -59,6 +64,7 @@ class LivePlots(pn.viewable.Viewer):
         load_backend()
         self.live = live
         self.maxlen = maxlen
+        self.cores = machine_cores()
         names = ("loss", "divergence", "speedup", "times", "fps", "cv")
         self.panes = {name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
                                               linked_axes=False)
@@ -133,7 +139,7 @@ class LivePlots(pn.viewable.Viewer):
             self.panes[name].object = getattr(self, name).element
         self.panes["cv"].object = hv.DynamicMap(cv, streams=[self.cv_pipe])
         self._cv_count = 0
-        self._speedup_shown: Speedup | None = None
+        self._speedup_shown: RunSpeedup | None = None
 
     def __panel__(self) -> pn.Column:
         """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy."""
@@ -152,8 +158,9 @@ class LivePlots(pn.viewable.Viewer):
         speedup = self.live.speedup()
         if speedup != self._speedup_shown:
             self._speedup_shown = speedup
-            self.speedup.show(speedup)
-        text = speedup_text(speedup)
+            measured = speedup.measured
+            self.speedup.show(speedup, (measured.cores if measured else 0) or self.cores)
+        text = speedup_text(speedup, self.cores)
         if text != self.speedup_line.object:
             self.speedup_line.object = text
 

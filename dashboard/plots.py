@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from bokeh.models import BasicTicker, FixedTicker, NumeralTickFormatter
 
-from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, Speedup
+from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, RunSpeedup
 
 PLOT_HEIGHT = 215
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -47,7 +47,8 @@ def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, 
 # What hover tooltips call the columns (not their names in the data, like mb_sent).
 DIMENSIONS = {name: hv.Dimension(name, label=label) for name, label in {
     "mb_sent": "MB sent per rank", "cv_acc_pct": "CV frame accuracy (%)", "wer_pct": "WER (%)",
-    "speedup": "speedup (×)", "efficiency": "efficiency (%)", "baseline": "1-rank baseline",
+    "speedup": "speedup (×)", "efficiency": "efficiency (%)", "low": "lowest pair",
+    "high": "highest pair", "text": "as measured",
     "run": "run", "K": "K", "ranks": "ranks"}.items()}
 
 
@@ -153,30 +154,34 @@ SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 
 
 class SpeedupPlot:
-    """Speedup against ranks: the ideal, the cost model's prediction and the run's own point.
+    """Speedup against ranks: what the cores here allow, the cost model's prediction for N
+    machines, and the run's measured point with its interval (labavg.jobs.speedup).
 
-    Drawn once per run; `show` replaces the two small data sources' contents (a handful of
+    Drawn once per run; `show` replaces the small data sources' contents (a handful of
     points), so the page gets a few numbers per update rather than a new plot.
     """
 
+    COLUMNS = ("bound", "predicted", "interval", "measured")
+
     def __init__(self) -> None:
-        self.sources: dict[str, list] = {"predicted": [], "measured": []}
-        self.figures: list = []
-        self.data = {"predicted": ([], []), "measured": ([], [])}
-        xs = list(PREDICTED_RANKS)
-        ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(
-            color="gray", line_dash="dashed")
-        predicted = hv.Curve(([], []), "ranks", hv.Dimension("predicted", label="speedup"),
-                             label=f"cost model, {PREDICTION_NETWORK.name}").opts(
+        self.sources: dict[str, list] = {c: [] for c in self.COLUMNS}
+        self.data: dict[str, tuple[list, list]] = {c: ([], []) for c in self.COLUMNS}
+
+        def dim(column: str) -> hv.Dimension:
+            return hv.Dimension(column, label="speedup")
+
+        bound = hv.Curve(([], []), "ranks", dim("bound"), label="the cores here: min(N, cores)").opts(
+            color="gray", line_dash="dashed", hooks=[self._capture])
+        predicted = hv.Curve(([], []), "ranks", dim("predicted"),
+                             label=f"cost model, N machines ({PREDICTION_NETWORK.name})").opts(
             color="#1f77b4", hooks=[self._capture])
-        predicted_points = hv.Scatter(([], []), "ranks", hv.Dimension("predicted", label="speedup")).opts(
-            color="#1f77b4", size=5, hooks=[self._capture])
-        measured = hv.Scatter(([], []), "ranks", hv.Dimension("measured", label="speedup"),
-                              label="this run").opts(color="#d62728", size=12, marker="diamond",
-                                                     hooks=[self._capture])
+        interval = hv.Curve(([], []), "ranks", dim("interval")).opts(
+            color="#d62728", line_width=3, hooks=[self._capture])
+        measured = hv.Scatter(([], []), "ranks", dim("measured"), label="this run (pairs' range)").opts(
+            color="#d62728", size=12, marker="diamond", hooks=[self._capture])
         ticks = FixedTicker(ticks=list(SPEEDUP_TICKS))
-        self.element = (ideal * predicted * predicted_points * measured).opts(
-            **_plot_opts("Speedup vs 1 rank", "ranks", "speedup (×)",
+        self.element = (bound * predicted * interval * measured).opts(
+            **_plot_opts("Speedup vs 1 worker", "ranks", "speedup (×)",
                          legend_position="bottom_right", logx=True, logy=True,
                          xlim=(0.9, 70), ylim=(0.1, 80), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
                          yticks=ticks, yformatter=NumeralTickFormatter(format="0.[000]")))
@@ -188,12 +193,18 @@ class SpeedupPlot:
         source.data = {"ranks": np.asarray(xs, dtype=float), column: np.asarray(ys, dtype=float)}
         self.sources[column].append(source)
 
-    def show(self, speedup: Speedup) -> None:
-        """Put the prediction and the measured point of `speedup` into the plot."""
-        predicted = ([p for p, _ in speedup.predicted], [v for _, v in speedup.predicted])
-        measured = (([speedup.ranks], [speedup.speedup]) if speedup.speedup is not None
-                    else ([], []))
-        for column, value in (("predicted", predicted), ("measured", measured)):
+    def show(self, speedup: RunSpeedup, cores: int) -> None:
+        """Put `speedup`'s prediction and measured point, and the bound of `cores`, in the plot."""
+        measured = speedup.measured
+        n = measured.ranks if measured is not None else None
+        values = {
+            "bound": (list(PREDICTED_RANKS), [float(min(p, cores)) for p in PREDICTED_RANKS]),
+            "predicted": ([p for p, _ in speedup.predicted], [v for _, v in speedup.predicted]),
+            "measured": ([n], [measured.value]) if n and measured.value is not None else ([], []),
+            "interval": (([n, n], [measured.low, measured.high])
+                         if n and measured.value is not None and n > 1 else ([], [])),
+        }
+        for column, value in values.items():
             if self.data[column] == value:
                 continue
             self.data[column] = value
@@ -202,24 +213,37 @@ class SpeedupPlot:
                                column: np.asarray(value[1], dtype=float)}
 
 
-def scaling_plot(points: list[dict[str, Any]]) -> hv.Layout:
-    """Speedup and parallel efficiency vs number of ranks of the finished runs, with the ideal."""
-    frame = pd.DataFrame(points, columns=["ranks", "speedup", "efficiency", "K", "run", "baseline"])
-    top = max([2, *frame["ranks"].tolist()])
+SCALING_COLUMNS = ["ranks", "speedup", "low", "high", "efficiency", "K", "run", "text"]
+
+
+def scaling_plot(points: list[dict[str, Any]], cores: int,
+                 predicted: list[tuple[int, float]] = ()) -> hv.Layout:
+    """Measured speedup (labavg.jobs.speedup: each point with its pairs' range) and parallel
+    efficiency against ranks, beside what `cores` cores allow (min(N, cores)) and the cost
+    model's `predicted` speedup for N machines."""
+    frame = pd.DataFrame(points, columns=SCALING_COLUMNS)
+    top = max([4, *frame["ranks"].tolist()])
     xs = list(range(1, top + 1))
     ranks_axis = {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0), "xlim": (0.5, top + 0.5)}
-    ideal = hv.Curve((xs, xs), "ranks", "speedup", label="ideal").opts(color="gray", line_dash="dashed")
-    speedup = hv.Scatter(frame, "ranks", _dims("speedup", "K", "run", "baseline"), label="runs").opts(
-        size=9, color="#1f77b4", tools=["hover"])
-    ideal_eff = hv.Curve((xs, [100.0] * len(xs)), "ranks", "efficiency", label="ideal").opts(
-        color="gray", line_dash="dashed")
-    efficiency = hv.Scatter(frame.assign(efficiency=100 * frame["efficiency"].astype(float)), "ranks",
-                            _dims("efficiency", "K", "run", "baseline"), label="runs").opts(
-        size=9, color="#ff7f0e", tools=["hover"])
+    bound = hv.Curve((xs, [float(min(x, cores)) for x in xs]), "ranks", "speedup",
+                     label=f"the cores here: min(N, {cores})").opts(color="gray", line_dash="dashed")
+    model = [(p, v) for p, v in predicted if p <= top]
+    layers = [bound, hv.Curve(model, "ranks", "speedup",
+                              label=f"cost model, N machines ({PREDICTION_NETWORK.name})").opts(
+        color="#2ca02c")]
+    errors = frame.assign(minus=frame["speedup"] - frame["low"], plus=frame["high"] - frame["speedup"])
+    layers.append(hv.ErrorBars(errors, "ranks", ["speedup", "minus", "plus"]).opts(color="#1f77b4"))
+    layers.append(hv.Scatter(frame, "ranks", _dims("speedup", "low", "high", "K", "run", "text"),
+                             label="measured (pairs' range)").opts(size=9, color="#1f77b4",
+                                                                   tools=["hover"]))
+    ideal_eff = hv.Curve((xs, [100.0 * min(x, cores) / x for x in xs]), "ranks", "efficiency",
+                         label="the cores here").opts(color="gray", line_dash="dashed")
+    efficiency = hv.Scatter(frame, "ranks", _dims("efficiency", "K", "run", "text"),
+                            label="measured").opts(size=9, color="#ff7f0e", tools=["hover"])
     return (
-        (ideal * speedup).opts(**_plot_opts("Speedup vs 1 rank (frames/s)", "ranks",
-                                            "speedup (×)",
-                                            legend_position="top_left", **ranks_axis))
+        hv.Overlay(layers).opts(**_plot_opts("Speedup vs 1 worker (paired, in each run)", "ranks",
+                                             "speedup (×)", legend_position="top_left",
+                                             **ranks_axis))
         + (ideal_eff * efficiency).opts(**_plot_opts("Parallel efficiency", "ranks",
                                                      "efficiency (%)",
                                                      legend_position="bottom_left", ylim=(0, 110),

@@ -10,27 +10,20 @@ from typing import Any
 import numpy as np
 import param
 
-from dashboard.speedup import measured_speedup, start_load
-from labavg.jobs.index import (
-    EVENTS,
-    RunRecord,
-    comparable_config,
-    differing_labels,
-    list_runs,
-    read_events,
-    run_row,
-    throughput_config,
-    training_throughput,
-)
+from dashboard.speedup import (PREDICTED_RANKS, prediction, scaling_point, summary_costs,
+                               table_cells)
+from labavg.jobs.index import EVENTS, RunRecord, differing_labels, list_runs, read_events, run_row
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
 TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
-                 "efficiency", "status", "baseline", "speedup_note", "cv_loss", "mb_sent", "payload",
+                 "efficiency", "speedup_note", "status", "cores", "speedup_range", "cv_loss",
+                 "mb_sent", "payload",
                  "optimizer", "model", "wall_s", "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
-                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
-                "mb_sent": "MB sent", "baseline": "1-rank baseline", "speedup_note": "speedup note"}
+                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency %",
+                "mb_sent": "MB sent", "speedup_range": "pairs' range",
+                "speedup_note": "speedup as measured (labavg.jobs.speedup)"}
 
 
 def _table_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -50,39 +43,21 @@ def _table_row(row: dict[str, Any]) -> dict[str, Any]:
         "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
         # Per rank, all rounds (what one rank sent; labavg.averaging.mean's bytes_sent).
         "mb_sent": None if row["bytes_sent"] is None else row["bytes_sent"] / 1e6,
-        "speedup": None, "efficiency": None, "baseline": None, "speedup_note": None,
+        "speedup": None, "speedup_range": None, "efficiency": None, "cores": None,
+        "speedup_note": None,
     }
 
 
-def _is_baseline(record: RunRecord) -> bool:
-    s = record.summary
-    return s is not None and not s.get("stopped") and s.get("ranks") == 1 and bool(
-        training_throughput(s))
-
-
-def baseline_of(records: list[RunRecord], i: int) -> dict[str, Any] | None:
-    """The summary record i is measured against: as `find_throughput_baseline` found it when the
-    run started, the latest 1-rank run before it of the same configuration, else of the same
-    model, data, minibatch and optimizer."""
-    config = records[i].config
-    earlier = [r for r in records[:i] if _is_baseline(r)]
-    for key in (comparable_config, throughput_config):
-        same = [r for r in earlier if key(r.summary.get("config", r.config)) == key(config)]
-        if same:
-            return same[-1].summary
-    return None
-
-
 def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
-    """Each ended run's speedup, `measured_speedup`'s: the live view's number, to the digit."""
-    for i, (row, record) in enumerate(zip(rows, records)):
-        if record.summary is None:
-            continue
-        baseline = baseline_of(records, i)
-        measured = measured_speedup(training_throughput(record.summary), row["ranks"] or 1,
-                                    baseline, start_load(record.summary))
-        row.update(speedup=measured.speedup, efficiency=measured.efficiency,
-                   baseline=measured.baseline_name, speedup_note=measured.warning or None)
+    """Each ended run's speedup columns, `dashboard.speedup.table_cells`'s: labavg.jobs.speedup
+    reads its summary, as the Live tab reads its events (the same number and interval)."""
+    for row, record in zip(rows, records):
+        row.update(table_cells(record.summary))
+
+
+def _csv_value(value: Any) -> Any:
+    # Six significant digits: a measured time or rate has no more (float repr wrote 17).
+    return float(f"{value:.6g}") if isinstance(value, float) else value
 
 
 class RunTable(param.Parameterized):
@@ -95,12 +70,25 @@ class RunTable(param.Parameterized):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._configs: dict[str, dict[str, Any]] = {}
+        self._points: list[dict[str, Any]] = []
+        self._predicted: list[tuple[int, float]] = []
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
         records = list_runs(Path(self.runs_dir))
         rows = [_table_row(run_row(r.name, r.config, r.summary)) for r in records]
         fill_speedups(rows, records)
+        self._points, newest = [], None
+        for record, row in zip(records, rows):
+            point = (scaling_point(record.name, row["K"], record.summary)
+                     if row["status"] == "finished" else None)
+            if point is not None:
+                self._points.append(point)
+                newest = (record.summary, row["K"])
+        # The newest measured run's own costs are what the cost model scales up, to every
+        # number of ranks measured (an oversubscribed run's N machines among them).
+        ranks = (*PREDICTED_RANKS, *(p["ranks"] for p in self._points))
+        self._predicted = prediction(summary_costs(newest[0]), newest[1], ranks) if newest else []
         configs = {r.name: r.config for r in records}
         self._configs = configs
         self.selected = [name for name in self.selected if name in configs]
@@ -116,7 +104,7 @@ class RunTable(param.Parameterized):
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=list(TABLE_COLUMNS), lineterminator="\n")
         writer.writeheader()
-        writer.writerows(self.rows)
+        writer.writerows({k: _csv_value(v) for k, v in row.items()} for row in self.rows)
         return out.getvalue()
 
     def overlay(self) -> dict[str, dict[str, Any]]:
@@ -167,7 +155,10 @@ class RunTable(param.Parameterized):
                 if r["status"] == "finished" and r["ranks"] and r["ranks"] > 1 and r["mb_sent"]]
 
     def scaling(self) -> list[dict[str, Any]]:
-        """(ranks, speedup, efficiency, K, run, baseline) of the finished runs with a known speedup."""
-        return [{"ranks": r["ranks"], "speedup": r["speedup"], "efficiency": r["efficiency"],
-                 "K": r["K"], "run": r["run"], "baseline": r["baseline"]}
-                for r in self.rows if r["status"] == "finished" and r["speedup"] is not None]
+        """The Scaling tab's points: each finished run with a measured speedup
+        (`dashboard.speedup.scaling_point`: value, pairs' range, efficiency %, conditions)."""
+        return list(self._points)
+
+    def predicted(self) -> list[tuple[int, float]]:
+        """The cost model's speedup for N machines, from the newest measured run's costs."""
+        return list(self._predicted)

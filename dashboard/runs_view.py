@@ -1,5 +1,5 @@
-"""The Runs, Scaling and Communication tabs: the runs table, its overlay, and the plots of
-finished runs."""
+"""The Runs and Communication tabs: the runs table, its overlay, and what each finished run
+sent (the Scaling tab is dashboard.scaling_view, redrawn when the table is)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import panel as pn
 import param
 from bokeh.models import NumberFormatter
 
-from dashboard.plots import communication_plot, load_backend, overlay_plot, scaling_plot
+from dashboard.plots import communication_plot, load_backend, overlay_plot
 from dashboard.runs_table import TABLE_COLUMNS, TABLE_TITLES, RunTable
 
 
@@ -21,16 +21,19 @@ def _number(format: str) -> NumberFormatter:
 
 
 TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_acc_pct": "0.00",
-                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
+                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0", "wall_s": "0.0",
                  "comm_pct": "0.0", "mb_sent": "0,0.0"}
-NUMERIC_COLUMNS = (*TABLE_FORMATS, "ranks", "K", "minibatch", "epochs")
+COUNT_COLUMNS = ("ranks", "K", "minibatch", "epochs", "cores")
+NUMERIC_COLUMNS = (*TABLE_FORMATS, *COUNT_COLUMNS)
 # Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
 TABLE_WIDTHS = {"run": 175, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
-                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "efficiency": 106, "status": 90,
-                "baseline": 190, "speedup_note": 300}
+                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 84, "speedup_range": 120,
+                "efficiency": 122, "status": 90, "cores": 78, "speedup_note": 430}
+# The measured speedup's one line (value, range, conditions, flag) wraps in its cell.
+WRAPPED = {"speedup_note": {"type": "textarea"}}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
               ".tabulator .tabulator-cell, .tabulator .tabulator-col-title { font-size: 13px !important; }")
 _TABLE_MAX_HEIGHT = 250
@@ -52,7 +55,7 @@ class RunsView(pn.viewable.Viewer):
         load_backend()
         self.table = table
         formatters = {c: _number(f) for c, f in TABLE_FORMATS.items()}
-        formatters.update({c: _number("0") for c in ("ranks", "K", "minibatch", "epochs")})
+        formatters.update({c: _number("0") for c in COUNT_COLUMNS}, **WRAPPED)
         self.tabulator = pn.widgets.Tabulator(
             table_frame([]), selectable="checkbox", disabled=True,
             show_index=False, sizing_mode="stretch_width", height=250, layout="fit_data_table",
@@ -65,8 +68,6 @@ class RunsView(pn.viewable.Viewer):
         self.refresh_button = pn.widgets.Button(label="Refresh", width=100)
         self.refresh_button.on_click(lambda _: self.refresh())
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
-        self.scaling = pn.pane.HoloViews(scaling_plot([]), sizing_mode="stretch_width")
-        self.scaling_note = pn.pane.Markdown("", margin=(0, 10))
         self.communication = pn.pane.HoloViews(communication_plot([]), sizing_mode="stretch_width")
 
     def __panel__(self) -> pn.Column:
@@ -76,16 +77,6 @@ class RunsView(pn.viewable.Viewer):
                                     "between them.", margin=(8, 10)),
                    pn.layout.HSpacer(), self.refresh_button, self.download),
             self.tabulator, self.overlay, sizing_mode="stretch_width",
-        )
-
-    def scaling_view(self) -> pn.Column:
-        """Speedup and efficiency against ranks, of the runs with a 1-rank baseline."""
-        return pn.Column(
-            pn.pane.Markdown("Speedup = frames/s of the run (all ranks, training time) / frames/s "
-                             "of its 1-rank baseline (same model, data, minibatch; any K, lr, "
-                             "epochs), the Live tab's and the runs table's number; efficiency = "
-                             "speedup / N. Hover a point for its baseline.", margin=(8, 10)),
-            self.scaling_note, self.scaling, sizing_mode="stretch_width",
         )
 
     def communication_view(self) -> pn.Column:
@@ -106,7 +97,7 @@ class RunsView(pn.viewable.Viewer):
         self.overlay.object = overlay_plot(self.table.overlay())
 
     def refresh(self) -> None:
-        """Rescan the runs directory and redraw the table and the scaling plots."""
+        """Rescan the runs directory and redraw the table and the communication plots."""
         selected = list(self.table.selected)
         rows = self.table.refresh()
         frame = table_frame(rows)
@@ -115,17 +106,4 @@ class RunsView(pn.viewable.Viewer):
         self.tabulator.height = min(_TABLE_MAX_HEIGHT, 64 + 32 * len(frame))
         names = frame["run"].tolist()
         self.tabulator.selection = [names.index(n) for n in selected if n in names]
-        points = self.table.scaling()
-        self.scaling.object = scaling_plot(points)
         self.communication.object = communication_plot(self.table.communication())
-        finished = [r for r in rows if r["status"] == "finished"]
-        if not any(r["ranks"] == 1 for r in finished):
-            note = ("_No point yet: no finished 1-rank run in this runs directory. Run one with "
-                    "ranks = 1 and the same settings (any K); every run of that model and data "
-                    "then gets its speedup._")
-        elif len(points) <= sum(r["ranks"] == 1 for r in finished):
-            note = ("_No multi-rank run pairs with a 1-rank run yet: they must differ only in "
-                    "ranks, K, backend or logging._")
-        else:
-            note = ""
-        self.scaling_note.object = note

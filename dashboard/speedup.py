@@ -1,142 +1,143 @@
-"""The speedup of a run against its 1-rank baseline: one number, computed here only.
+"""What the dashboard shows of a run's speedup: the measured one, beside the cost model's.
 
-The live view and the runs table both call `measured_speedup`, so a run has the same speedup
-on every screen: frames per second over training time (compute + averaging, Su & Chen's
-epoch time), against the named 1-rank run of the same model, data, minibatch and optimizer.
+The measured speedup is `labavg.jobs.speedup`'s, the one function every screen reads (the
+Live tab from the run's events so far, the Runs table, its CSV and the Scaling tab from
+summary.json): a paired measurement inside the run, so a run has the same number, interval and
+conditions wherever it is shown. Beside it: what the cores here allow (min(N, cores)) and the
+cost model's prediction for N machines (`labavg.studies.costmodel`), from this run's own
+costs, with rank 0's compute timed alone in the pairs when there are any (no other rank then
+shares the cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import os
+import statistics
 from typing import Any
 
 from dashboard.buffers import RunBuffers
-from labavg.studies.costmodel import TEN_GBE, from_summary, predict
 from labavg.base.errors import UserError
-from labavg.jobs.index import effective_k, training_throughput
+from labavg.jobs.index import effective_k
+from labavg.jobs.speedup import Speedup, speedup_from_events, speedup_from_summary
+from labavg.studies.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
 
 # Ranks the cost model predicts a speedup for, beside the run's own.
 PREDICTED_RANKS = (1, 2, 4, 8, 16, 32, 64)
-
-
-@dataclasses.dataclass(frozen=True)
-class Speedup:
-    """What the Live tab says about the run's speedup: measured, and the cost model's."""
-
-    ranks: int
-    K: int | None
-    frames_per_second: float | None  # this run, all ranks
-    baseline_frames_per_second: float | None
-    baseline_name: str | None
-    speedup: float | None
-    efficiency: float | None
-    warning: str  # Measured.warning: the run and its baseline ran under different load
-    predicted: list[tuple[int, float]]  # (ranks, speedup) on PREDICTION_NETWORK
-    predicted_from: str  # which run's costs the prediction uses
-    note: str  # why there is no measured speedup, or ""
-
-
 PREDICTION_NETWORK = TEN_GBE
-# Load averages (1 minute, at each run's start) further apart than this, in busy cores, and
-# the two runs' frames/s do not compare: the ranks shared the cores with other work.
-LOAD_DIFFERENCE = 1.0
-# Above this parallel efficiency the baseline, not the averaging, explains the speedup.
-SUPERLINEAR = 1.1
+THREADS_NOTE = "in-process workers: threads of one process"
 
 
 @dataclasses.dataclass(frozen=True)
-class Measured:
-    """A run's speedup against its named 1-rank baseline, and whether to trust it."""
+class RunSpeedup:
+    """What the Live tab says about the run on screen's speedup."""
 
-    speedup: float | None
-    efficiency: float | None
-    baseline_name: str | None
-    warning: str  # "" unless the two ran under different load, or efficiency > 100 %
-
-
-def run_name(summary: dict[str, Any]) -> str:
-    """The run directory's name of a summary (its config's `out`)."""
-    return Path(str(summary.get("config", {}).get("out", "?"))).name
+    measured: Speedup | None  # labavg.jobs.speedup's reading; None before rank 0 started
+    K: int | None
+    predicted: list[tuple[int, float]]  # (machines, speedup) on PREDICTION_NETWORK
+    note: str  # why there is no measured value yet, or ""
 
 
-def start_load(summary: dict[str, Any] | None) -> float | None:
-    """The load average when the run started (`labavg.jobs.runs` records it), None for older runs."""
-    return ((summary or {}).get("load_average") or {}).get("start")
+def machine_cores() -> int:
+    """The cores this server's runs can use (what bounds a speedup measured here)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
-def load_warning(load: float | None, baseline: dict[str, Any] | None) -> str:
-    """Why the speedup is suspect: the run and its baseline started under different loads."""
-    base = start_load(baseline)
-    if load is None or base is None or abs(load - base) <= LOAD_DIFFERENCE:
-        return ""
-    return (f"⚠ different load: load average {load:.1f} when this run started, {base:.1f} when "
-            f"{run_name(baseline)} did; the speedup is not the averaging's alone")
+def shown_text(speedup: Speedup) -> str:
+    """THE text of a run's speedup on every screen: labavg.jobs.speedup's, with in-process
+    workers said to be threads."""
+    text = speedup.text()
+    return f"{text} ({THREADS_NOTE})" if speedup.threads and speedup.ranks > 1 else text
 
 
-def measured_speedup(frames_per_second: float | None, ranks: int,
-                     baseline: dict[str, Any] | None, load: float | None = None) -> Measured:
-    """THE speedup of a run (live view, runs table and Scaling tab all call this): its frames/s
-    (all ranks, training time) over its 1-rank baseline's (`training_throughput`)."""
-    base_fps = training_throughput(baseline) if baseline else None
-    name = run_name(baseline) if baseline else None
-    if not frames_per_second or not base_fps:
-        return Measured(None, None, name, "")
-    speedup = frames_per_second / base_fps
-    warnings = [load_warning(load, baseline), superlinear_warning(speedup / ranks, baseline)]
-    return Measured(speedup, speedup / ranks, name, " ".join(w for w in warnings if w))
+def alone(costs: MeasuredCosts, solo_seconds: list[float]) -> MeasuredCosts:
+    """`costs` with rank 0's compute per minibatch as timed alone in the pairs (median), the
+    compute of one rank per machine; unchanged without pairs."""
+    if not solo_seconds:
+        return costs
+    return dataclasses.replace(costs, compute_per_minibatch_s=statistics.median(solo_seconds))
 
 
-def superlinear_warning(efficiency: float, baseline: dict[str, Any] | None) -> str:
-    """Why an efficiency above 100 % is not the averaging's: N ranks cannot train each frame
-    faster than one rank does, so the 1-rank run was held back (other load, a cold start)."""
-    if efficiency <= SUPERLINEAR or baseline is None:
-        return ""
-    return (f"⚠ efficiency {100 * efficiency:.0f} % is above 100 %: {run_name(baseline)} "
-            f"trained slower per frame than these ranks do (other load or a cold start); "
-            f"train the 1-rank run again beside this one")
+def prediction(costs: MeasuredCosts | None, k: int | None,
+               ranks: tuple[int, ...] = PREDICTED_RANKS) -> list[tuple[int, float]]:
+    """The cost model's speedup at `ranks` machines (one rank each), or []."""
+    if costs is None or not k:
+        return []
+    return [(p.ranks, p.speedup) for p in predict(costs, sorted(set(ranks)), Ks=(k,),
+                                                   network=PREDICTION_NETWORK)]
 
 
-def live_speedup(buffers: RunBuffers, config: dict[str, Any], baseline: dict[str, Any] | None,
-                 summary: dict[str, Any] | None = None, load: float | None = None) -> Speedup:
-    """The run's throughput against its 1-rank baseline, and the cost model's speedups.
+def summary_costs(summary: dict[str, Any]) -> MeasuredCosts | None:
+    """A finished run's costs for the cost model (None when its summary cannot give them)."""
+    try:
+        costs = from_summary(summary)
+    except UserError:
+        return None
+    solo = [p[0] for p in summary.get("speedup_pairs") or [] if p and p[0] > 0]
+    return alone(costs, solo)
 
-    Speedup = `measured_speedup`: while the run trains, of the frames/s its events show so
-    far; once it has a summary, of the summary's (the runs table's number, to the digit). The
-    baseline may differ in K, learning rate, schedule and epochs (`find_throughput_baseline`),
-    which leave the cost of a frame alone. The prediction (`labavg.studies.costmodel.predict`, one
-    rank per machine on PREDICTION_NETWORK) uses the baseline's measured costs when there is
-    one, else this run's.
-    """
-    ranks = int(config.get("ranks", buffers.ranks) or 1)
-    minibatch = int(config.get("minibatch") or 1)
+
+def live_speedup(buffers: RunBuffers, config: dict[str, Any],
+                 summary: dict[str, Any] | None = None) -> RunSpeedup:
+    """The run's measured speedup (its summary's once it has one, else its events' so far:
+    the same function reads both) and the cost model's for N machines."""
     k = effective_k(config)
-    fps = (training_throughput(summary) if summary else None) or buffers.frames_per_second()
-    if summary and start_load(summary) is not None:
-        load = start_load(summary)
-    measured_now = measured_speedup(fps, ranks, baseline, load)
+    if summary:
+        measured = speedup_from_summary(summary)
+        costs = summary_costs(summary)
+    else:
+        measured = speedup_from_events(buffers.speedup_events())
+        costs = buffers.measured_costs(int(config.get("minibatch") or 1))
+        if costs is not None:
+            costs = alone(costs, [p["solo_step_seconds"] for p in buffers.pairs])
     note = ""
-    if baseline is None:
-        note = ("This 1-rank run is the baseline: runs of this model and data with more ranks "
-                "(any K) will be measured against it." if ranks == 1 else
-                "No speedup yet: no finished 1-rank run of this model, data, minibatch and "
-                "optimizer in the runs directory. Run one with ranks = 1 (any K) to measure it.")
-    elif fps is None:
-        note = "Measuring: the first averaging round gives the run's frames/s."
-    # The baseline's costs when there is one: one rank alone on the machine, so neither its
-    # compute nor its per-round overhead includes waiting for ranks that share the cores.
-    measured, source = buffers.measured_costs(minibatch), "this run"
-    if baseline is not None:
-        try:
-            measured, source = from_summary(baseline), f"1-rank run {measured_now.baseline_name}"
-        except UserError:
-            pass
-    predicted: list[tuple[int, float]] = []
-    if measured is not None and k:
-        predicted = [(p.ranks, p.speedup) for p in predict(
-            measured, PREDICTED_RANKS, Ks=(k,), network=PREDICTION_NETWORK)]
-    return Speedup(ranks=ranks, K=k, frames_per_second=fps,
-                   baseline_frames_per_second=training_throughput(baseline) if baseline else None,
-                   baseline_name=measured_now.baseline_name, speedup=measured_now.speedup,
-                   efficiency=measured_now.efficiency, warning=measured_now.warning,
-                   predicted=predicted, predicted_from=source if predicted else "", note=note)
+    if measured is None:
+        note = "Measuring: the run has not started training yet."
+    elif measured.value is None:
+        note = ("Measuring: rank 0 trains a few minibatches alone at a few averaging rounds "
+                "spread over the run; the first pair gives the speedup.")
+    return RunSpeedup(measured=measured, K=k, predicted=prediction(costs, k), note=note)
+
+
+def table_cells(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The runs table's (and CSV's) speedup columns of a run, from its summary."""
+    speedup = speedup_from_summary(summary) if summary else None
+    if speedup is None:
+        return {"speedup": None, "speedup_range": None, "efficiency": None, "cores": None,
+                "speedup_note": None}
+    spread = (f"{speedup.low:.2f}-{speedup.high:.2f}" if speedup.value is not None
+              and speedup.ranks > 1 else None)
+    efficiency = speedup.efficiency
+    return {"speedup": speedup.value, "speedup_range": spread,
+            "efficiency": None if efficiency is None else 100 * efficiency,
+            "cores": speedup.cores or None, "speedup_note": shown_text(speedup)}
+
+
+def scaling_point(name: str, k: int | None, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """One point of the Scaling tab (a finished run with a measured speedup), else None."""
+    speedup = speedup_from_summary(summary)
+    return speedup_point(name, k, speedup) if speedup is not None else None
+
+
+def speedup_point(name: str, k: int | None, speedup: Speedup) -> dict[str, Any] | None:
+    """A plot point of a measured `speedup` (value, pairs' range, efficiency %, conditions)."""
+    if speedup.value is None:
+        return None
+    return {"ranks": speedup.ranks, "speedup": speedup.value, "low": speedup.low,
+            "high": speedup.high, "efficiency": 100 * speedup.efficiency, "K": k, "run": name,
+            "cores": speedup.cores, "bound": speedup.bound, "threads": speedup.threads,
+            "text": shown_text(speedup)}
+
+
+def oversubscribed_note(point: dict[str, Any], predicted: dict[int, float]) -> str | None:
+    """"N ranks on C cores: at most C x here", beside the cost model's N machines."""
+    n, cores = point["ranks"], point["cores"]
+    if not cores or n <= cores:
+        return None
+    what = "threads" if point["threads"] else "ranks"
+    model = (f"; the cost model predicts {predicted[n]:.1f}x for {n} machines"
+             if n in predicted else "")
+    return f"{point['run']}: {n} {what} on {cores} cores: at most {cores}x here{model}"

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -30,7 +31,7 @@ from dashboard.settings import _default as _setting_default
 from labavg.training.config import TrainConfig, preset_config, validate
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
-from labavg.jobs.index import EventTail, training_throughput
+from labavg.jobs.index import EventTail
 
 
 @pytest.fixture(scope="module")
@@ -301,27 +302,27 @@ def test_live_run_fills_every_ranks_buffers(finished_runs):
     assert (Path(three.run_dir) / "summary.json").is_file()
 
 
-def test_live_speedup_is_throughput_against_the_1_rank_run_of_any_k(finished_runs):
-    _, (one, three) = finished_runs
-    first = one.speedup()
-    assert first.speedup is None and first.note.startswith("This 1-rank run is the baseline")
-    assert first.predicted_from == "this run" and first.predicted[0] == (1, 1.0)
+def test_the_live_speedup_is_the_runs_own_paired_measurement(finished_runs):
+    """labavg.jobs.speedup reads the run: from its events while it trains, from its summary
+    once it has one; both give the same number and interval. No 1-rank run is needed."""
+    from dashboard.speedup import live_speedup, shown_text
 
-    # The 3-rank run (K=4) found the 1-rank run (K=2) when it started: K means nothing for one rank.
-    assert three.baseline is not None and three.baseline["ranks"] == 1
+    _, (one, three) = finished_runs
+    first = one.speedup().measured
+    assert (first.value, first.ranks) == (1.0, 1) and "reference" in shown_text(first)
     speedup = three.speedup()
-    base_fps = one.summary["frames_trained"] / (one.summary["compute_seconds"] + one.summary["comm_seconds"])
-    assert speedup.baseline_frames_per_second == pytest.approx(base_fps)
-    assert speedup.baseline_name == Path(one.run_dir).name and speedup.note == ""
-    # What the run measured live, round by round, is what its summary says in the end.
-    assert speedup.frames_per_second == pytest.approx(training_throughput(three.summary), rel=1e-3)
-    assert speedup.speedup == pytest.approx(speedup.frames_per_second / base_fps)
-    assert speedup.efficiency == pytest.approx(speedup.speedup / 3)
+    measured = speedup.measured
+    assert measured.ranks == 3 and measured.pairs >= 1 and measured.value is not None
+    assert measured.low <= measured.value <= measured.high and measured.threads
+    assert measured.cores >= 1 and measured.bound == min(3, measured.cores)
+    from_events = live_speedup(three.buffers, three.config).measured
+    assert (from_events.value, from_events.low, from_events.high, from_events.pairs) == (
+        measured.value, measured.low, measured.high, measured.pairs)
+    assert "threads of one process" in shown_text(measured)
     ranks = [p for p, _ in speedup.predicted]
     values = [v for _, v in speedup.predicted]
     assert ranks == [1, 2, 4, 8, 16, 32, 64] and values[0] == pytest.approx(1.0)
-    assert values == sorted(values) and values[-1] < 64
-    assert speedup.predicted_from == f"1-rank run {Path(one.run_dir).name}" and speedup.K == 4
+    assert values == sorted(values) and values[-1] < 64 and speedup.K == 4
 
 
 def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, corpus, tmp_path):
@@ -354,7 +355,7 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert live.start(tiny_settings(corpus, tmp_path, epochs=50))
     assert live.status.startswith("Starting ") and "reading the data" in live.status
     # Alone in its runs directory, a 2-rank run has nothing to be measured against.
-    assert live.speedup().note.startswith("No speedup yet: no finished 1-rank run")
+    assert live.speedup().note.startswith("Measuring")
     deadline = time.monotonic() + 60
     while live.buffers.last_step < 4:
         assert time.monotonic() < deadline and live.running, live.status
@@ -394,43 +395,32 @@ def test_stop_ends_the_run_at_the_next_round_even_an_epoch_end_without_cv(corpus
     assert live.status.startswith("Stopped:") and "no CV" in live.status
 
 
-def test_the_runs_table_warns_when_a_speedup_compares_runs_under_different_load(finished_runs,
-                                                                                  tmp_path):
-    runs, (one, three) = finished_runs
-    # labavg.jobs.runs records the load average at each run's start and end.
-    for live in (one, three):
-        load = live.summary["load_average"]
-        assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
+def test_an_oversubscribed_run_says_so_beside_the_cost_models_n_machines(finished_runs,
+                                                                           tmp_path):
+    """3 workers on 2 cores: at most 2x here, said in the table's text (labavg.jobs.speedup's
+    flag) and beside the cost model's speedup for 3 machines on the Scaling tab."""
+    pytest.importorskip("panel")
+    from dashboard.scaling_view import ScalingView
+
+    runs, (_, three) = finished_runs
     copy = tmp_path / "runs"
     shutil.copytree(runs, copy)
-    names = sorted(p.name for p in copy.iterdir())
-
-    def set_load(name, value):
-        path = copy / name / "summary.json"
-        summary = json.loads(path.read_text())
-        summary["load_average"] = {"start": value, "end": value}
-        path.write_text(json.dumps(summary))
-
-    set_load(names[0], 3.5)  # the 1-rank baseline ran beside other work
-    set_load(names[1], 0.4)
-    rows = RunTable(runs_dir=str(copy)).refresh()
-    note = rows[1]["speedup_note"]
-    assert note and "different load" in note and "3.5" in note and "0.4" in note and names[0] in note
-    set_load(names[0], 0.9)  # within one busy core of each other: no load warning
-    note = RunTable(runs_dir=str(copy)).refresh()[1]["speedup_note"]
-    assert note is None or "different load" not in note
+    path = copy / Path(three.run_dir).name / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["cores"] = 2
+    path.write_text(json.dumps(summary))
+    table = RunTable(runs_dir=str(copy))
+    rows = table.refresh()
+    assert "3 threads on 2 cores: at most 2x here" in rows[1]["speedup_note"]
+    view = ScalingView(table, tiny_settings(three_corpus(three), copy))
+    view.refresh()
+    note = view.note.object
+    assert "3 threads on 2 cores: at most 2x here; the cost model predicts" in note
+    assert "for 3 machines" in note and dict(table.predicted())[3] > 1
 
 
-def test_an_efficiency_above_100_percent_blames_the_baseline_not_the_averaging():
-    from dashboard.speedup import measured_speedup
-
-    baseline = {"config": {"out": "runs/n1"}, "frames_trained": 1000.0, "compute_seconds": 1.8,
-                "comm_seconds": 0.2, "load_average": {"start": 0.5, "end": 0.5}}  # 500 frames/s
-    fair = measured_speedup(900.0, 2, baseline, load=0.5)
-    assert fair.speedup == 1.8 and fair.warning == ""
-    superlinear = measured_speedup(2000.0, 2, baseline, load=0.5)  # efficiency 200 %
-    assert superlinear.efficiency == 2.0
-    assert "above 100 %" in superlinear.warning and "n1" in superlinear.warning
+def three_corpus(live: LiveRun) -> Path:
+    return Path(live.config["data"]["data"])
 
 
 def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_path):
@@ -490,14 +480,19 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     assert [r["ranks"] for r in rows] == [1, 3]
     assert all(r["status"] == "finished" and r["model"] == "1x32" for r in rows)
     assert [r["K"] for r in rows] == [2, 4]
-    # One speedup per run: frames/s against the named 1-rank run, the Live tab's number.
-    assert rows[1]["speedup"] == pytest.approx(
-        training_throughput(three.summary) / training_throughput(one.summary), rel=1e-12)
-    assert rows[1]["speedup"] == three.speedup().speedup
-    assert rows[1]["baseline"] == rows[0]["run"] == three.speedup().baseline_name
-    assert rows[1]["efficiency"] == pytest.approx(rows[1]["speedup"] / 3)
-    assert rows[0]["speedup"] is None  # the baseline itself: nothing before it to compare with
-    assert [(p["ranks"], p["baseline"]) for p in table.scaling()] == [(3, rows[0]["run"])]
+    # One speedup per run, the Live tab's number, interval and conditions (one function).
+    from dashboard.speedup import shown_text
+
+    measured = three.speedup().measured
+    assert rows[1]["speedup"] == measured.value
+    assert rows[1]["speedup_note"] == shown_text(measured)
+    assert rows[1]["speedup_range"] == f"{measured.low:.2f}-{measured.high:.2f}"
+    assert rows[1]["efficiency"] == pytest.approx(100 * measured.value / 3)  # a percentage
+    assert rows[0]["speedup"] == 1.0 and rows[0]["speedup_range"] is None  # one worker
+    points = table.scaling()
+    assert [(p["ranks"], p["speedup"], p["low"], p["text"]) for p in points] == [
+        (1, 1.0, 1.0, shown_text(one.speedup().measured)),
+        (3, measured.value, measured.low, shown_text(measured))]
 
     table.selected = [r["run"] for r in rows]
     curves = table.overlay()
@@ -517,6 +512,11 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     assert [p["run"] for p in parsed] == [r["run"] for r in rows]
     assert float(parsed[1]["wall_s"]) == pytest.approx(three.summary["wall_seconds"])
     assert float(parsed[0]["cv_acc_pct"]) == pytest.approx(100 * one.summary["cv_frame_accuracy"], abs=0.01)
+    # As the table shows them: efficiency a percentage, numbers to six significant digits.
+    assert float(parsed[1]["efficiency"]) == pytest.approx(rows[1]["efficiency"], rel=1e-5)
+    assert parsed[1]["speedup_note"] == rows[1]["speedup_note"]
+    numbers = [v for p in parsed for v in p.values() if re.fullmatch(r"-?[\d.]+(e-?\d+)?", v)]
+    assert numbers and all(len(re.sub(r"[-.]|e.*", "", v).strip("0")) <= 6 for v in numbers), numbers
 
 
 def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
