@@ -145,3 +145,28 @@ def test_the_rerun_control_trains_and_shows_each_run(rerun_base, tmp_path):
     assert [c.label for c in curves] == ["K=2, lr 0.008", "K=8, lr 0.004"]
     assert len(curves[0]) > len(curves[1]) > 0, "K=2 averages more often than K=8"
     assert control.status.object.startswith("K=8, lr 0.004: CV frame accuracy ")
+
+
+def test_the_shipped_yesno_run_opens_in_a_plain_clone(monkeypatch):
+    # notebook 01's real-data section reads examples/kaldi-yesno, not ../shared (absent in a clone)
+    from labavg.data.alignment import read_gzip_ark
+    from labavg.data.dataset import open_dataset
+    from labavg.data.transition import read_transition_model
+
+    monkeypatch.chdir(teaching.YESNO)
+    yesno = open_dataset("data/train_yesno", ali_dir="exp/mono0a")
+    assert (len(yesno.keys), yesno.feat_dim, yesno.num_pdfs) == (8, 13, 11)
+    model = read_transition_model("exp/mono0a/final.mdl")
+    assert (model.num_transition_ids, model.num_pdfs) == (30, 11)
+    ali = read_gzip_ark(teaching.YESNO / "exp/mono0a/ali.1.gz")
+    for key in yesno.keys:
+        feats, pdfs = yesno.load(key)
+        assert len(feats) == len(pdfs) == len(ali[key]) > 0
+        assert (pdfs == model.pdfs_of(ali[key])).all()
+    # the words of each utterance are in its id (0 = NO, 1 = YES), as Kaldi's recipe names them
+    for line in (teaching.YESNO / "data/train_yesno/text").read_text().splitlines():
+        key, *words = line.split()
+        assert words == ["YES" if b == "1" else "NO" for b in key.split("_")]
+    readme = " ".join((teaching.YESNO / "README.md").read_text().split())
+    assert "Apache License 2.0" in readme and "SLR1" in readme
+    assert (teaching.YESNO / "COPYING.kaldi").is_file()

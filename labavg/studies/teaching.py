@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ CONDITION_WORDS = {"plain": "alone", "loaded": f"beside a {LOAD_PROCESSES}-core 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 TIMINGS_FILE = NOTEBOOKS / "timings.json"
+# The part of a real Kaldi egs/yesno run that notebook 01 reads (its README says what and whence).
+YESNO = REPO / "examples" / "kaldi-yesno"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +137,56 @@ def base_config(work: str | os.PathLike, size: NotebookSize) -> TrainConfig:
                                         backend="inproc", data=data, tensorboard=False))
 
 
+def follow(run, every: float = 0.5) -> Iterator[dict[str, Any]]:
+    """The events of a started run (`labavg.jobs.launch.start_run`'s handle) as they arrive,
+    until it ends; then `run.wait()` gives its summary."""
+    while True:
+        finished = run.done()  # asked first, so the events polled after it are the last
+        yield from run.poll()
+        if finished:
+            return
+        time.sleep(every)
+
+
+def epoch_line(event: dict[str, Any], epochs: int) -> str:
+    """One printed line per epoch, in place of progress bars (which an exported notebook shows
+    on stderr's red background)."""
+    return (f"epoch {event['epoch'] + 1} of {epochs}: CV frame accuracy "
+            f"{100 * event['cv_frame_accuracy']:.2f} %, learning rate {event['lr']:.3g} at its end, "
+            f"{event['seconds']:.0f} s")
+
+
+def train(cfg: TrainConfig, **start: Any) -> dict[str, Any]:
+    """Train `cfg` through the one door (`start_run`, keywords passed on), printing a line per
+    epoch, and return its summary; a finished run in `cfg.out` is read instead (a notebook
+    rerun trains nothing twice)."""
+    from labavg.jobs.launch import start_run
+    from labavg.jobs.summary import read_summary
+
+    if (Path(cfg.out) / "summary.json").is_file():
+        return read_summary(cfg.out)
+    run = start_run(cfg, **start)
+    for event in follow(run):
+        if event["type"] == "epoch" and event["rank"] == 0:
+            print(epoch_line(event, cfg.epochs), flush=True)
+    return run.wait()
+
+
+def lr_words(cfg: TrainConfig) -> str:
+    """The learning rate and its schedule in words, not "lr 0.008 -> 8e-05"."""
+    rate = f"learning rate {_plain(cfg.lr)} per frame"
+    if cfg.ranks > 1 and cfg.lr_scaling == "linear":
+        rate += f" (x {cfg.ranks} workers: {_plain(cfg.lr * cfg.ranks)})"
+    if cfg.schedule == "exponential":
+        return f"{rate}, decaying to {_plain(cfg.final_learning_rate())}"
+    return f"{rate}, {cfg.schedule} schedule"
+
+
+def _plain(x: float) -> str:
+    """A rate as a decimal a class reads aloud (0.00008, not 8e-05)."""
+    return f"{x:.10f}".rstrip("0").rstrip(".") if x >= 1e-8 else f"{x:g}"
+
+
 def read_timings(path: Path = TIMINGS_FILE) -> dict[str, Any]:
     """benchmarks/bench_notebooks.py's last measurements ({} when it was never run)."""
     try:
@@ -215,18 +268,39 @@ def banner(notebook: str, size: NotebookSize, timings: dict[str, Any] | None = N
 
 
 def load_plotting(panel: bool = False) -> None:
-    """HoloViews (and Panel, for widgets) in a notebook, with their JavaScript inline: a class
-    without internet still sees every plot, and an exported HTML file (`jupyter nbconvert --to
-    html`) shows them offline. Panel only when asked: it styles plain plots with stylesheets
-    from its CDN."""
+    """HoloViews in a notebook drawing PNG images (its matplotlib backend): an image shrinks to
+    the notebook's width (a row of three plots is never cut, whatever the window and the side
+    panels), needs no JavaScript (a class without internet, an exported HTML file) and weighs
+    tens of kilobytes where each bokeh plot carried its own JavaScript and data. Panel only when
+    asked (notebook 03's widgets), with its JavaScript and stylesheets inline, never from a CDN.
+
+    The notebooks' sizes and tools are bokeh's options (`width=`, `tools=`): they stay valid
+    for the interactive dashboard and are set aside for the images, without a warning each."""
+    import logging
+
     import holoviews as hv
+    import holoviews.plotting.bokeh  # noqa: F401 - its option names stay valid
 
     if panel:
         import panel as pn
 
         pn.extension(inline=True)
-    hv.extension("bokeh", inline=True)
+    hv.extension("matplotlib", logo=False)
+    hv.output(fig="png", dpi=DPI)
+    logger = logging.getLogger("param.main")  # where HoloViews' option warnings are logged
+    if not any(isinstance(f, _OtherBackendsOptions) for f in logger.filters):
+        logger.addFilter(_OtherBackendsOptions())
     show_user_errors_in_one_line()
+
+
+DPI = 90  # a row of three default-size plots is about 1100 px wide before the notebook shrinks it
+
+
+class _OtherBackendsOptions:
+    """Drops HoloViews' warning that an option belongs to bokeh, not to the images' backend."""
+
+    def filter(self, record) -> bool:
+        return "Option only applies to following backends" not in record.getMessage()
 
 
 # MathJax 2 as nbconvert's template loads it, from a local copy:
