@@ -17,10 +17,11 @@ if [ ! -f data/synth/test/feats.scp ]; then
     echo "== synthesising ${HOURS} h of speech into data/synth (+ dev/ and test/ speakers)"
     $LABAVG corpus synth data/synth --hours "$HOURS" --overwrite
 fi
-echo "== 1 worker (baseline for speedup), then decoding dev/ and test/"
+echo "== 1 worker (the accuracy reference), then decoding dev/ and test/"
 $LABAVG train --data data/synth --out "$RUNS/ranks1" --ranks 1 --epochs "$EPOCHS" \
     --decode-data data/synth
 echo "== $RANKS MPI ranks, averaging every 10 minibatches, learning rate x $RANKS"
+echo "   (the run measures its own speedup: a few times rank 0 trains alone, then all ranks)"
 $LABAVG train --data data/synth --out "$RUNS/ranks$RANKS" --ranks "$RANKS" --backend mpi \
     --epochs "$EPOCHS" --average-every 10 --decode-data data/synth
 echo

@@ -64,8 +64,9 @@ def test_pairs_leave_training_bitwise_unchanged_and_every_reader_agrees(corpus, 
     row = summary_row("on", summary)
     assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == (
         from_summary.value, ratios[0], ratios[-1])
-    assert f"{from_summary.value:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})" in format_table(
-        [{**summary, "run": "on"}])
+    table = format_table([{**summary, "run": "on"}])
+    assert f"{from_summary.value:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})" in table
+    assert f"speedup of on: {from_summary.text()}" in table
 
 
 def test_a_one_rank_run_beside_it_is_no_baseline_any_more(corpus, tmp_path):

@@ -125,9 +125,11 @@ def test_run_directory_and_speedup(corpus, tmp_path):
                 "wall_seconds", "compute_seconds", "comm_seconds"):
         assert key in on_disk
     assert on_disk["ranks"] == 2 and on_disk["frames_trained"] == on_disk["steps"] * 64 * 2
-    baseline = read_summary(tmp_path / "r1")
-    assert on_disk["speedup"] == pytest.approx(baseline["wall_seconds"] / on_disk["wall_seconds"])
+    # The speedup is the run's own paired measurement (tests/test_speedup.py), not the 1-rank
+    # run's wall time over this one's.
+    assert on_disk["speedup_pairs"] and on_disk["speedup"] > 0
     assert on_disk["parallel_efficiency"] == pytest.approx(on_disk["speedup"] / 2)
+    assert read_summary(tmp_path / "r1")["speedup"] == 1.0
     types = {e["type"] for e in read_events(tmp_path / "r2")}
     assert {"run_started", "minibatch", "average", "epoch", "checkpoint", "run_finished"} <= types
     assert json.loads((tmp_path / "r2" / "config.json").read_text())["ranks"] == 2

@@ -4,7 +4,6 @@ the dashboard and notebooks.
     EventTail / read_events   the one reader of events.jsonl (a growing file, or a finished one)
     list_runs                 the runs under a directory: name, config and summary of each
     run_row                   the one projection of a run into a table row (every table's source)
-    find_baseline / fill_speedups   the one rule for which 1-rank run a speedup is measured against
 
 A row's K is the effective averaging interval (`average_every_frames` turned into minibatches
 when it is set), as summary.json records it: every table shows the K the run trained with.
@@ -17,22 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.averaging.registry import MethodTable
+from labavg.jobs.speedup import speedup_from_summary
 from labavg.base.errors import UserError
 from labavg.jobs.run_json import load_json, read_config_file, read_summary_file
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.json"
-
-# Settings that may differ between runs that are still "the same configuration" for speedup.
-# K is among them: the baseline has one rank, whose averaging is a no-op, so a 1-rank run
-# with any K is the baseline of every K; likewise for the reduce algorithm and the payload,
-# which a 1-rank run never sends.
-PARALLEL_KEYS = ("out", "backend", "ranks", "device", "threads", "checkpoint_every", "log_every",
-                 "tensorboard", "watchdog_seconds", "average_every", "average_every_frames",
-                 "reduce", "hierarchy", "payload", "payload_bits", "error_feedback")
-
 
 class EventTail:
     """Reads the lines appended to an events.jsonl since the last call.
@@ -165,102 +155,25 @@ def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -
         "wall_seconds": s.get("wall_seconds"), "compute_seconds": s.get("compute_seconds"),
         "comm_seconds": s.get("comm_seconds"), "comm_fraction": s.get("comm_fraction"),
         "bytes_sent": s.get("bytes_sent"),
-        "speedup": s.get("speedup"), "parallel_efficiency": s.get("parallel_efficiency"),
+        **_speedup_columns(summary),
     }
+
+
+def _speedup_columns(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """A row's speedup, as labavg.jobs.speedup reads it from the summary (None before the run
+    ends, and for a summary from before paired measurements)."""
+    speedup = speedup_from_summary(summary) if summary is not None else None
+    if speedup is None:
+        return {"speedup": None, "speedup_low": None, "speedup_high": None,
+                "parallel_efficiency": None, "speedup_flag": None, "cores": None}
+    return {"speedup": speedup.value, "speedup_low": speedup.low, "speedup_high": speedup.high,
+            "parallel_efficiency": speedup.efficiency, "speedup_flag": speedup.flag,
+            "cores": speedup.cores or None}
 
 
 def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
     """`run_row` of a finished run from its summary.json alone (which holds its config)."""
     return run_row(name, summary.get("config", {}), summary)
-
-
-# The settings tables of each averaging method (labavg.averaging.registry): a run reads only its own.
-METHOD_TABLES = MethodTable(lambda cls: () if cls.settings is None else (cls.method,))
-
-
-def comparable_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config dict without the parallel settings: equal for runs whose speedups compare.
-
-    The settings of averaging methods a run does not use are left out too, and a run from
-    before the methods existed averaged plainly: such runs compare with today's.
-    """
-    method = cfg.get("averaging", "model")
-    unused = {t for tables in METHOD_TABLES.values() for t in tables} - set(
-        METHOD_TABLES.get(method, ()))
-    out = {k: v for k, v in cfg.items() if k not in PARALLEL_KEYS and k not in unused}
-    out["averaging"] = method
-    return out
-
-
-def _is_baseline(config: dict[str, Any], summary: dict[str, Any] | None) -> bool:
-    return (summary is not None and not summary.get("stopped") and summary.get("ranks") == 1
-            and bool(summary.get("wall_seconds")))
-
-
-def find_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """Summary of a finished 1-rank run of the same configuration beside `run_dir`, if any.
-
-    Runs are the same configuration when everything but the parallel settings (ranks, K,
-    backend, device, output directory, logging) is equal, the learning rate included: with
-    `lr_scaling = "linear"` the per-rank rate is derived from it, so this compares like with like.
-    `run_dir` need not exist yet (a run about to start looks up its baseline).
-    """
-    return _latest_baseline(run_dir, config, comparable_config)
-
-
-def _latest_baseline(run_dir: Path, config: dict[str, Any], key) -> dict[str, Any] | None:
-    """The latest finished 1-rank run beside `run_dir` whose `key(config)` equals this one's."""
-    want = key(config)
-    here = Path(run_dir).resolve()
-    found = [r.summary for r in list_runs(here.parent)
-             if r.path.resolve() != here and _is_baseline(r.config, r.summary)
-             and key(r.summary.get("config", r.config)) == want]
-    return found[-1] if found else None
-
-
-# What changes what a run learns or for how long, but not what a frame costs to train: a
-# throughput compares across them (a wall-time speedup does not: more epochs take longer).
-SCHEDULE_KEYS = ("lr", "final_lr", "lr_scaling", "schedule", "epochs", "seed", "newbob",
-                 "decode_data")
-
-
-def throughput_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A config dict without what leaves the cost of a frame alone: equal for runs whose
-    frames per second compare (same model, data, minibatch, optimizer)."""
-    return {k: v for k, v in comparable_config(cfg).items() if k not in SCHEDULE_KEYS}
-
-
-def find_throughput_baseline(run_dir: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """Summary of the finished 1-rank run beside `run_dir` whose frames per second the run's
-    compare with: `find_baseline`'s when there is one, else the latest of the same model,
-    data, minibatch and optimizer (any K, learning rate, schedule or number of epochs)."""
-    same = find_baseline(run_dir, config)
-    return same if same is not None else _latest_baseline(run_dir, config, throughput_config)
-
-
-def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
-    """Give finished rows without a speedup one from a 1-rank run of the same configuration.
-
-    (summary.json only has a speedup when the baseline finished *before* the run.)
-    """
-    key = lambda config: json.dumps(comparable_config(config), sort_keys=True)  # noqa: E731
-    baselines = {key(r.config): r.summary["wall_seconds"] for r in records
-                 if _is_baseline(r.config, r.summary)}
-    for row, record in zip(rows, records):
-        if row["status"] != "finished" or row["speedup"] is not None or not row["wall_seconds"]:
-            continue
-        base = baselines.get(key(record.config))
-        if base is not None:
-            row["speedup"] = base / row["wall_seconds"]
-            row["parallel_efficiency"] = row["speedup"] / row["ranks"]
-
-
-def training_throughput(summary: dict[str, Any]) -> float | None:
-    """Frames per second of a finished run, all ranks: frames trained over rank 0's training
-    time (compute and averaging, as Su & Chen's epoch time; start-up and CV left out)."""
-    seconds = (summary.get("compute_seconds") or 0.0) + (summary.get("comm_seconds") or 0.0)
-    frames = summary.get("frames_trained")
-    return frames / seconds if frames and seconds > 0 else None
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -13,6 +13,8 @@ from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
 from labavg.jobs.index import SUMMARY, summary_row
+from labavg.jobs.speedup import (THREAD_BACKENDS, measured_speedup, speedup_from_summary,
+                                 summary_fields)
 from labavg.jobs.run_json import read_summary_file
 
 
@@ -26,8 +28,9 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
-                 baseline: dict[str, Any] | None) -> dict[str, Any]:
-    """The summary.json of a run, with speedup when a 1-rank baseline exists."""
+                 pairs: list[tuple[float, float]], load: dict[str, float]) -> dict[str, Any]:
+    """The summary.json of a run, with its speedup measured in `pairs` (labavg.jobs.speedup)
+    and the load averages at its start and end."""
     summary: dict[str, Any] = {
         "ranks": started.size,
         "backend": cfg.backend,
@@ -67,18 +70,13 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "overlap_bytes_sent": finished.overlap_bytes_sent,
         "comm_wait_seconds": finished.wait_seconds,
         "comm_hidden_fraction": comm_hidden_fraction(finished),
-        "speedup": None,
-        "parallel_efficiency": None,
-        "baseline_wall_seconds": None,
+        "cores": started.cores,
+        "load_average": load,
+        "speedup_pairs": [list(p) for p in pairs],
         "config": to_dict(cfg),
     }
-    if baseline is not None and finished.wall_seconds > 0:
-        speedup = baseline["wall_seconds"] / finished.wall_seconds
-        summary.update(
-            speedup=speedup,
-            parallel_efficiency=speedup / started.size,
-            baseline_wall_seconds=baseline["wall_seconds"],
-        )
+    summary.update(summary_fields(measured_speedup(
+        pairs, started.size, started.cores, load.get("start"), started.backend in THREAD_BACKENDS)))
     return summary
 
 
@@ -101,8 +99,9 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
             ("lr", "lr"), ("epochs", "epochs"), ("method", "averaging"),
             ("WER % (95% CI)", "wer"), ("PER %", "per"),
             ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
-            ("comm %", "comm_fraction"), ("speedup", "speedup"),
+            ("comm %", "comm_fraction"), ("speedup (range)", "speedup"), ("cores", "cores"),
             ("efficiency %", "parallel_efficiency"), ("stopped", "status")]
+    summaries = list(summaries)
     rows = [{**summary_row(s.get("run"), s), "run": s.get("run")} for s in summaries]
     if not any(r["wer"] is not None for r in rows):
         cols = [c for c in cols if c[1] not in ("wer", "per")]
@@ -122,6 +121,10 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
             return f"{value:.2f} ({low:.2f}-{high:.2f})"
         if key == "per":
             return f"{value:.2f}"
+        if key == "speedup":  # the pairs' range; a flag (oversubscribed, above the bound) below
+            spread = f" ({row['speedup_low']:.2f}-{row['speedup_high']:.2f})" \
+                if row["ranks"] != 1 else ""
+            return f"{value:.2f}{spread}" + (" *" if row["speedup_flag"] else "")
         if key in ("cv_frame_accuracy", "comm_fraction"):
             return f"{100 * value:.2f}"
         if key == "parallel_efficiency":  # a percentage, as the dashboard shows it
@@ -137,4 +140,14 @@ def format_table(summaries: Iterable[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         lines.append("| " + " | ".join(cell(k, row) for _, k in cols) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _speedup_notes(summaries))
+
+
+def _speedup_notes(summaries: list[dict[str, Any]]) -> list[str]:
+    """Below the table, each multi-rank run's speedup in full: its pairs, cores, load, flag."""
+    notes = []
+    for s in summaries:
+        speedup = speedup_from_summary(s)
+        if speedup is not None and speedup.ranks > 1:
+            notes.append(f"{'*' if speedup.flag else ''}speedup of {s.get('run')}: {speedup.text()}")
+    return [""] + notes if notes else []

@@ -47,7 +47,7 @@ from labavg.jobs.summary import read_summary
 COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer", "pretrain",
            "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",
            "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds", "bytes_sent", "speedup",
-           "parallel_efficiency")
+           "speedup_low", "speedup_high", "cores", "parallel_efficiency", "speedup_flag")
 
 
 @dataclass(frozen=True)
