@@ -70,21 +70,38 @@ def measured_speedup(pairs: Iterable[tuple[float, float]], ranks: int, cores: in
     value = statistics.median(ratios) if ratios else None
     return Speedup(value, min(ratios, default=None), max(ratios, default=None), len(ratios),
                    ranks, cores, bound, load, threads,
-                   _flag(value, max(ratios, default=None), ranks, cores, bound, threads))
+                   _flag(value, max(ratios, default=None), ranks, cores, bound, load, threads))
+
+
+def shared_bound(ranks: int, cores: int, load: float | None) -> float | None:
+    """The most `ranks` ranks can reach over one rank when `load` other busy processes share
+    the `cores` fairly: alone, a rank gets min(1, C/(L+1)) of a core; N ranks get
+    N min(1, C/(L+N)). min(ranks, cores) with no load; towards N as the load grows, since N
+    processes take N shares of the cores from the other work."""
+    if not cores or load is None:
+        return None
+    other = max(float(load), 0.0)
+    return ranks * min(1.0, cores / (other + ranks)) / min(1.0, cores / (other + 1))
 
 
 def _flag(value: float | None, high: float | None, ranks: int, cores: int, bound: float,
-          threads: bool) -> str | None:
+          load: float | None, threads: bool) -> str | None:
     notes = []
     if cores and ranks > cores:
         notes.append(f"{ranks} {'threads' if threads else 'ranks'} on {cores} "
                      f"core{'s' if cores != 1 else ''}: at most {cores}x here")
     if high is not None and high > bound:
-        # Pairs are short segments: a preempted solo segment reads slow and its pair high.
         what = (f"{value:.2f}x is" if value is not None and value > bound
                 else f"pairs up to {high:.2f}x are")
-        notes.append(f"{what} above the {bound:g}x the cores allow: timing noise of the pairs, "
-                     "not a real gain")
+        shared = shared_bound(ranks, cores, load)
+        if shared is not None and shared > 1.05 * bound and high <= 1.15 * shared:
+            notes.append(f"{what} above the {bound:g}x {cores} idle cores allow: under load "
+                         f"{load:.1f} the ranks took a larger share of the cores from the other "
+                         f"work (fair sharing allows up to {shared:.2f}x)")
+        else:
+            # Pairs are short segments: a preempted solo segment reads slow and its pair high.
+            notes.append(f"{what} above the {bound:g}x the cores allow: timing noise of the "
+                         "pairs, not a real gain")
     return "; ".join(notes) or None
 
 
