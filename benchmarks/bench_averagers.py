@@ -26,7 +26,8 @@ def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
     from labavg.comm.inproc import run_inproc
 
     out = {}
-    for name, cls in methods().items():
+    for name, method in methods().items():
+        cls = method.averager_class()
         def work(comm, cls=cls):
             gen = torch.Generator().manual_seed(comm.rank)
             flat = torch.randn(numel, generator=gen)

@@ -18,7 +18,8 @@ from labavg.comm.base import Communicator
 
 def make_averager(plan: AveragingPlan, flat: torch.Tensor, comm: Communicator,
                   sizes: list[int] | None = None) -> RoundAverager:
-    """The averager of a training run: the registered method `plan.method` with its section,
+    """The averager of a training run: the class of the registered method `plan.method`
+    (imported here, not when the method is declared) with its section,
     K, the reduce algorithm and the payload; inside a HierarchicalAverager when
     `plan.hierarchy.every` > 0 (collective then: it splits `comm` into nodes); an
     OverlapAverager (labavg.averaging.overlap) when `plan.overlap` is not "none", which cuts
@@ -28,9 +29,9 @@ def make_averager(plan: AveragingPlan, flat: torch.Tensor, comm: Communicator,
     known = methods()
     if plan.method not in known:
         raise ValueError(f"unknown averaging method {plan.method!r}; known: {', '.join(known)}")
-    cls = known[plan.method]
-    section = {} if cls.settings is None else {"config": plan.method_settings}
-    averager = cls(flat, comm, plan.every, reduce=plan.reduce, payload=plan.payload,
+    method = known[plan.method]
+    section = {} if method.settings is None else {"config": plan.method_settings}
+    averager = method.averager_class()(flat, comm, plan.every, reduce=plan.reduce, payload=plan.payload,
                    bits=plan.bits, error_feedback=plan.error_feedback, **section)
     if plan.hierarchy.every == 0:
         return averager

@@ -47,54 +47,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import AverageStats, average_parameters
-from labavg.averaging.registry import register
-from labavg.base.settings import FINITE_POSITIVE, real, setting
 from labavg.comm.base import Communicator
 from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
 from labavg.averaging.payload import average_changes, check as check_payload, lossy, payload_bytes
+from labavg.averaging.settings import BMUFConfig, DiLoCoConfig
 
 # The scopes of a round (`due`): the ranks of one node, or every rank.
 NODE, ALL = "node", "all"
 
 
-@dataclass(frozen=True)
-class BMUFConfig:
-    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averaging.methods, docs/averaging.md).
-
-    Each round's change of the averaged model is filtered with block momentum before it is
-    applied; a steady change is amplified by block_lr / (1 - momentum) in the long run, which
-    is N, the factor plain averaging divides the workers' summed progress by, when momentum is
-    1 - 1/N. The default 0.9 is that for N = 10, between the 2 and 32 workers a lab runs. The
-    gain does what Su & Chen's N x learning rate does (lr_scaling = "linear"): with both, the
-    factors multiply (docs/averaging.md).
-    """
-
-    momentum: float = setting(0.9, "block momentum (0: plain averaging; 1 - 1/ranks gives a "
-                              "long-run gain of ranks)", real(0, 1, high_open=True))
-    block_lr: float = setting(1.0, "block learning rate: the share of each round's change "
-                              "applied", FINITE_POSITIVE)
-    nesterov: bool = setting(True, "Nesterov block momentum: workers start each block from the "
-                             "global model plus momentum x the filtered update")
-@dataclass(frozen=True)
-class DiLoCoConfig:
-    """DiLoCo's outer optimizer (Douillard et al. 2023, the paper's values): SGD with Nesterov
-    momentum on the outer gradient, the global model minus the average."""
-
-    outer_lr: float = setting(0.7, "outer learning rate (1 with momentum 0: plain averaging)",
-                              FINITE_POSITIVE)
-    momentum: float = setting(0.9, "outer momentum", real(0, 1, high_open=True))
-    nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
-
-
-
-@register
 class Averager:
     """Plain model averaging (the paper's): the next block starts from the average.
 
@@ -107,15 +74,9 @@ class Averager:
     compression residual, which differs between ranks and is checkpointed with each rank.
     """
 
+    # The `averaging` name; what else the house shows of a method (help, settings table,
+    # labels, memory) is its declaration in labavg.averaging.registry, read without torch.
     method: ClassVar[str] = "model"
-    # What the registry (labavg.averaging.registry) shows of a method: its settings table
-    # (None: it has none), its help line, its names in the report's tables, and the bytes of
-    # state it keeps per parameter besides the model (labavg.training.config.estimate_memory).
-    settings: ClassVar[type | None] = None
-    help: ClassVar[str] = "plain average, the paper"
-    label: ClassVar[str] = "model (the paper's)"
-    short: ClassVar[str] = "model"
-    outer_bytes_per_parameter: ClassVar[int] = 0
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
                  restore: bool = True, reduce: str = "allreduce", payload: str = "fp32",
@@ -248,16 +209,10 @@ class Averager:
             tensor.copy_(saved.to(tensor.device))
 
 
-@register
 class BMUFAverager(Averager):
     """Blockwise model-update filtering (Chen & Huo 2016, equations (1)-(5) above)."""
 
     method: ClassVar[str] = "bmuf"
-    settings: ClassVar[type | None] = BMUFConfig
-    help: ClassVar[str] = "block momentum, [bmuf] table"
-    label: ClassVar[str] = "BMUF"
-    short: ClassVar[str] = "BMUF"
-    outer_bytes_per_parameter: ClassVar[int] = 2 * 4  # the filtered update and the block's
     keeps_global: ClassVar[bool] = True
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
@@ -289,17 +244,11 @@ class BMUFAverager(Averager):
         return {"delta": self.delta}
 
 
-@register
 class DiLoCoAverager(Averager):
     """DiLoCo's outer step (Douillard et al. 2023, Algorithm 1): Nesterov SGD on the outer
     gradient, the global model minus the average."""
 
     method: ClassVar[str] = "diloco"
-    settings: ClassVar[type | None] = DiLoCoConfig
-    help: ClassVar[str] = "outer Nesterov SGD, [diloco] table"
-    label: ClassVar[str] = "DiLoCo"
-    short: ClassVar[str] = "DiLoCo"
-    outer_bytes_per_parameter: ClassVar[int] = 2 * 4  # the momentum and the outer gradient
     keeps_global: ClassVar[bool] = True
 
     def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,

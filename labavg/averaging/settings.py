@@ -1,14 +1,15 @@
 """The averaging layer's settings: what a round sends (labavg.averaging.payload), whether it
 overlaps compute (labavg.averaging.overlap), the [hierarchy] section
-(labavg.averaging.hierarchy) and the plan the factory builds a run's averager from. The
-methods' own sections sit with the methods (labavg.averaging.methods). Imports no torch."""
+(labavg.averaging.hierarchy), the built-in methods' sections ([bmuf], [diloco];
+labavg.averaging.methods) and the plan the factory builds a run's averager from. Imports no
+torch: the registry (labavg.averaging.registry) declares the methods with these sections."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from labavg.base.settings import integer, setting
+from labavg.base.settings import FINITE_POSITIVE, integer, real, setting
 
 # What a round sends (labavg.averaging.payload, docs/averaging.md): the fp32 parameters (the paper), or
 # their change since the last round in 16 bits or as integer codes of PAYLOAD_BITS bits.
@@ -16,6 +17,39 @@ PAYLOADS = ("fp32", "bf16", "fp16", "int")
 PAYLOAD_BITS = (4, 8, 16)
 # Whether a round's mean runs while the next minibatches compute (labavg.averaging.overlap).
 OVERLAP = ("none", "eager", "streaming")
+
+
+@dataclass(frozen=True)
+class BMUFConfig:
+    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averaging.methods.BMUFAverager,
+    docs/averaging.md): the [bmuf] table.
+
+    Each round's change of the averaged model is filtered with block momentum before it is
+    applied; a steady change is amplified by block_lr / (1 - momentum) in the long run, which
+    is N, the factor plain averaging divides the workers' summed progress by, when momentum is
+    1 - 1/N. The default 0.9 is that for N = 10, between the 2 and 32 workers a lab runs. The
+    gain does what Su & Chen's N x learning rate does (lr_scaling = "linear"): with both, the
+    factors multiply (docs/averaging.md).
+    """
+
+    momentum: float = setting(0.9, "block momentum (0: plain averaging; 1 - 1/ranks gives a "
+                              "long-run gain of ranks)", real(0, 1, high_open=True))
+    block_lr: float = setting(1.0, "block learning rate: the share of each round's change "
+                              "applied", FINITE_POSITIVE)
+    nesterov: bool = setting(True, "Nesterov block momentum: workers start each block from the "
+                             "global model plus momentum x the filtered update")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """DiLoCo's outer optimizer (Douillard et al. 2023, the paper's values): SGD with Nesterov
+    momentum on the outer gradient, the global model minus the average: the [diloco] table
+    (labavg.averaging.methods.DiLoCoAverager)."""
+
+    outer_lr: float = setting(0.7, "outer learning rate (1 with momentum 0: plain averaging)",
+                              FINITE_POSITIVE)
+    momentum: float = setting(0.9, "outer momentum", real(0, 1, high_open=True))
+    nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,10 @@ def train_config(args: argparse.Namespace):
     """Defaults, then the TOML file (or the resumed run's config), then the flags."""
     from labavg.training.config import TrainConfig, cli_flags, load_config, validate
     from labavg.base.settings import with_overrides
-    from labavg.jobs.run_dir import load_config_of
 
     if args.resume:
+        from labavg.jobs.run_dir import load_config_of  # torch (checkpoints): only to resume
+
         cfg = load_config_of(Path(args.resume))
     elif args.config:
         cfg = load_config(args.config)
@@ -72,7 +73,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher, launcher_rank
     from labavg.jobs.launch import JobFailed, rank_config, start_run
     from labavg.jobs.summary import format_table
-    from labavg.jobs.runs import run_training
 
     try:
         if args.config_json:  # a rank of a job labavg.jobs.launch started
@@ -89,6 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
     if detect_launcher() is not None or args.config_json:
         # This process is one rank of a job that mpiexec, srun, torchrun or labavg started.
+        from labavg.jobs.runs import run_training  # torch: after the settings are checked
+
         should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
         summary = run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
                                allow_pipes=args.allow_pipes)
