@@ -190,7 +190,10 @@ class Watchdog:
             if not self.dir.parent.is_dir():
                 return
             self.dir.mkdir(exist_ok=True)
-            tmp.write_text(json.dumps(info))
+            # Never through a link planted in the run directory (O_NOFOLLOW).
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(info))
             os.replace(tmp, path)
         except OSError:
             pass  # a full or vanished disk must not kill training; peers will see us as stale

@@ -17,7 +17,10 @@ class EventLog:
 
     def __init__(self, run_dir: Path, rank: int, tensorboard: bool = True) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(run_dir / EVENTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # Never through a link: the run directory's lock holder refused one, this refuses a
+        # link planted since (labavg.jobs.run_dir.check_own_files).
+        self._fd = os.open(run_dir / EVENTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                           0o644)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -14,11 +14,13 @@ labavg.jobs.runs writes them (run_training); labavg.jobs.index reads them back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -155,9 +157,15 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise UserError(f"cannot write run directory {run_dir}: {exc.strerror}") from None
+    check_own_files(run_dir)
+    try:
+        # O_NOFOLLOW too: a link planted between the check and the open is refused as well.
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise UserError(f"cannot write the lock file {run_dir / LOCK}: "
+                        f"{_OPEN_ERRORS.get(exc.errno, exc.strerror)}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -174,6 +182,34 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         os.close(fd)
         if created and {p.name for p in run_dir.iterdir()} <= {LOCK, HEARTBEAT_DIR}:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+# What labavg writes in a run directory (besides decode_<set>/, which is built beside and
+# renamed into place): none of them may be a symbolic link, which would have the job write its
+# lock, events, results or checkpoints wherever the link points.
+OWN_NAMES = (LOCK, CONFIG, EVENTS, SUMMARY, "final.pt", "checkpoints", HEARTBEAT_DIR,
+             "tensorboard", ".launch.json", ".stop")
+_OPEN_ERRORS = {errno.ELOOP: "it is a symbolic link, which labavg does not follow",
+                errno.EISDIR: "it is a directory, not a file"}
+
+
+def check_own_files(run_dir: Path) -> None:
+    """UserError naming the first of the run directory's own files that is a symbolic link
+    (or, for the lock, a directory)."""
+    for name in OWN_NAMES:
+        path = Path(run_dir) / name
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror}") from None
+        if stat.S_ISLNK(mode):
+            raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); labavg does not "
+                            f"write through links in a run directory: remove it")
+        if name == LOCK and not stat.S_ISREG(mode):
+            raise UserError(f"the lock file {path} is not a regular file (a "
+                            f"{'directory' if stat.S_ISDIR(mode) else 'special file'}): remove it")
 
 
 def _describe(holder: str) -> str:
