@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from labavg.base.waiting import wait_until
 from labavg.comm.base import IDLE_POLL_SECONDS
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root
 
@@ -138,9 +139,7 @@ class MpiCommunicator:
     def idle_barrier(self) -> None:
         """`barrier` as MPI_Ibarrier, tested between short sleeps instead of polled flat out."""
         if self.size > 1:
-            request = self._comm.Ibarrier()
-            while not request.Test():
-                time.sleep(IDLE_POLL_SECONDS)
+            wait_until(self._comm.Ibarrier().Test, None, IDLE_POLL_SECONDS)
 
     def split(self, color: int, key: int = 0) -> "MpiCommunicator":
         """This rank's communicator among the ranks passing the same `color` (MPI_Comm_split;

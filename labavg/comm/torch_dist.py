@@ -8,11 +8,11 @@ same in-place division as the other backends (ReduceOp.AVG exists only for nccl)
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import torch
 
+from labavg.base.waiting import wait_until
 from labavg.comm.base import IDLE_POLL_SECONDS
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root, split_members
 
@@ -127,8 +127,7 @@ class TorchDistCommunicator:
             self.barrier()
             return
         work = self._dist.barrier(group=self._group, async_op=True)
-        while not work.is_completed():
-            time.sleep(IDLE_POLL_SECONDS)
+        wait_until(work.is_completed, None, IDLE_POLL_SECONDS)
         work.wait()
 
     def split(self, color: int, key: int = 0) -> "TorchDistCommunicator":

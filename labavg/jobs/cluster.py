@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -28,6 +27,7 @@ from labavg.jobs import engine
 from labavg.jobs.cluster_run import ClusterRun
 from labavg.jobs.processes import pid_alive, signal_pids, wait_pids
 from labavg.base.errors import UserError
+from labavg.base.waiting import wait_until
 
 
 def mpi_launcher_config(extra_args: list[str] | None = None):
@@ -122,18 +122,19 @@ class Cluster:
 
     def _bind(self, n: int | None) -> None:
         """Wait for `n` engines (None: the MPI world's size), bind their devices, order by rank."""
-        deadline = time.monotonic() + self._timeout
-        while True:
+        ids: list[int] = []
+
+        def registered() -> bool:
+            nonlocal ids, n
             ids = list(self.client.ids)
             if n is None and ids:
                 # binding is collective over COMM_WORLD: wait for every rank of the world
                 n = self.client[ids[0]].apply_async(engine.mpi_world_size).get(timeout=self._timeout)
-            if n is not None and len(ids) >= n:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {len(ids)} of {n or 'the'} engines registered in {self._timeout:.0f} s")
-            time.sleep(0.1)
+            return n is not None and len(ids) >= n
+
+        if not wait_until(registered, self._timeout):
+            raise TimeoutError(
+                f"only {len(ids)} of {n or 'the'} engines registered in {self._timeout:.0f} s")
         infos = self.client[ids].apply_async(engine.bind_engine, self.device).get(timeout=self._timeout)
         for engine_id, info in zip(ids, infos):
             info["engine_id"] = engine_id
@@ -258,9 +259,7 @@ class Cluster:
         self._ipp.restart_engines_sync()
         # New engines ask for their MPI rank as engine id, so wait until the controller has
         # dropped the old ones (each engine's nanny reports its death at once) before binding.
-        deadline = time.monotonic() + self._timeout
-        while old & set(self.client.ids) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: not old & set(self.client.ids), self._timeout)
         self._infos = []
         self._bind(n)
 

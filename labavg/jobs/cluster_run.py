@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from labavg.base.waiting import Deadline
 from labavg.jobs.engine import ALIVE
 from labavg.jobs.processes import pid_alive
 
@@ -201,13 +202,13 @@ class ClusterRun:
 
         Raises RunError if the run failed, TimeoutError after `timeout` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             finished = self.done
             yield from self.poll()
             if finished:
                 break
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline.passed():
                 raise TimeoutError(f"run {self.run_id} still going after {timeout} s")
             time.sleep(interval)
         if self.error is not None:

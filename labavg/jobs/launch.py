@@ -26,13 +26,13 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
+from labavg.base.waiting import wait_until
 from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
@@ -153,11 +153,8 @@ def _drain(events: queue.SimpleQueue) -> list[dict[str, Any]]:
 
 def _join(thread: threading.Thread, timeout: float | None, what: str) -> None:
     # Short joins, so that Ctrl-C reaches the waiting (main) thread.
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while thread.is_alive():
-        thread.join(0.2)
-        if deadline is not None and time.monotonic() > deadline and thread.is_alive():
-            raise TimeoutError(f"run {what} still going after {timeout} s")
+    if not wait_until(lambda: not thread.is_alive(), timeout, 0.2, pause=thread.join):
+        raise TimeoutError(f"run {what} still going after {timeout} s")
 
 
 # -- a job of processes under mpiexec or torchrun ---------------------------------------------

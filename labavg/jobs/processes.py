@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import signal
-import time
+
+from labavg.base.waiting import wait_until
 
 
 def pid_alive(pid: int) -> bool:
@@ -17,12 +18,19 @@ def pid_alive(pid: int) -> bool:
 
 
 def wait_pids(pids: set[int], timeout: float) -> set[int]:
-    """Wait up to `timeout` s for the processes to end; the pids still running then."""
-    deadline = time.monotonic() + timeout
-    alive = {pid for pid in pids if pid_alive(pid)}
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = {pid for pid in alive if pid_alive(pid)}
+    """Wait up to `timeout` s for the processes to end; the pids still running then.
+
+    Not psutil.wait_procs, which `signal_pids` uses on processes it has just signalled: it
+    counts a zombie of another parent as running until that parent reaps it, and reaps a
+    zombie child of ours; here, as in `pid_alive`, a zombie has ended and is left to its parent.
+    """
+    alive = set(pids)
+
+    def all_gone() -> bool:
+        alive.difference_update([pid for pid in alive if not pid_alive(pid)])
+        return not alive
+
+    wait_until(all_gone, timeout, poll=0.05)
     return alive
 
 
