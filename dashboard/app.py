@@ -143,7 +143,15 @@ def serve(port: int = 5006, open_browser: bool = True, runs_dir: str | os.PathLi
     """Serve the dashboard until interrupted (localhost only unless `address` says otherwise).
 
     Extra keyword arguments go to `panel.serve` (e.g. basic_auth="...", websocket_origin=[...]).
+    An address that is not a loopback one needs basic_auth: whoever reaches the page can start
+    runs and read paths (dashboard/exposure.py, which `labavg dashboard` plans it with).
     """
+    from dashboard.exposure import is_loopback
+    from labavg.base.errors import UserError
+
+    if not is_loopback(address) and not kwargs.get("basic_auth"):
+        raise UserError(f"address {address!r} is not a loopback address: serving it needs a "
+                        f"password (basic_auth=...), or anyone on the network could start runs")
     origins = kwargs.pop("websocket_origin", [f"localhost:{port}", f"127.0.0.1:{port}", f"{address}:{port}"])
     pn.serve({"app": lambda: create_app(runs_dir=runs_dir, data=data)}, port=port, address=address,
              show=open_browser, title=TITLE, websocket_origin=origins, **kwargs)

@@ -109,11 +109,28 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboard.exposure import plan_exposure
+
+    # Address, port and credential checked before Panel loads: a mistake is one line.
+    exposure = plan_exposure(args.address, args.port, args.password_file, args.origin)
+    url = f"http://{args.address}:{args.port}/app"
+    if exposure.loopback:
+        print(f"labavg dashboard: {url} (Ctrl-C stops it)", flush=True)
+    else:
+        told = (f"password {exposure.password} (made for this session; --password-file sets one)"
+                if exposure.generated else f"the password in {args.password_file}")
+        print(f"labavg dashboard: {url} is reachable from the network: log in at /login with any "
+              f"user name and {told}; pages served from {', '.join(exposure.origins)} only "
+              f"(--origin adds one). Ctrl-C stops it", flush=True)
     from dashboard.app import serve
 
-    print(f"labavg dashboard: http://{args.address}:{args.port}/app (Ctrl-C stops it)")
-    serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
-          address=args.address, data=args.data)
+    extra = {} if exposure.password is None else {"basic_auth": exposure.password,
+                                                  "cookie_secret": exposure.cookie_secret}
+    try:
+        serve(port=args.port, open_browser=not args.no_browser, runs_dir=args.runs_dir,
+              address=args.address, data=args.data, websocket_origin=exposure.origins, **extra)
+    except OSError as exc:  # taken between the check and the server's bind
+        raise UserError(f"cannot listen on {args.address} port {args.port}: {exc.strerror}") from None
     return 0
 
 

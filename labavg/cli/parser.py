@@ -118,6 +118,10 @@ def _add_sweep_and_dashboard_parsers(sub) -> None:
     dash.add_argument("--address", default="127.0.0.1",
                       help="address to listen on (default 127.0.0.1; see docs/dashboard.md before "
                       "exposing it)")
+    dash.add_argument("--password-file", help="file holding the password a non-loopback "
+                      "--address asks for (default: one made and printed at start)")
+    dash.add_argument("--origin", action="append", default=[], metavar="HOST[:PORT]",
+                      help="another origin whose pages may connect (a proxy's name; repeat)")
     dash.add_argument("--runs-dir", default="runs", help="where runs are written and found")
     dash.add_argument("--data", default="data/synth",
                       help="data directory preset for new runs (default data/synth)")
