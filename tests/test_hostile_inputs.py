@@ -213,3 +213,66 @@ def test_report_only_names_a_bad_results_line(tmp_path, name):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(err) == 1 and f"{results}, line 2" in err[0], err
     assert not (tmp_path / "R.md").exists()
+
+
+class _RunsCode:
+    """Pickles to a call of os.system: what a hostile model file carries."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _hostile_files(tmp_path: Path) -> dict[str, Path]:
+    import pickle
+
+    import torch
+
+    marker = tmp_path / "ran"
+    files = {"torch archive": tmp_path / "zip.pt", "legacy torch": tmp_path / "legacy.pt",
+             "bare pickle": tmp_path / "bare.pt"}
+    torch.save({"format": "labavg-final", "x": _RunsCode(marker)}, files["torch archive"])
+    torch.save({"x": _RunsCode(marker)}, files["legacy torch"], _use_new_zipfile_serialization=False)
+    files["bare pickle"].write_bytes(pickle.dumps({"x": _RunsCode(marker)}, protocol=4))
+    return files
+
+
+@pytest.mark.parametrize("kind", ["torch archive", "legacy torch", "bare pickle"])
+def test_a_pickled_final_pt_is_refused_in_labavgs_words(tmp_path, kind):
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(_hostile_files(tmp_path)[kind], run / "final.pt")
+    proc = subprocess.run([PYTHON, "-m", "labavg", "decode", str(run), "--data", str(tmp_path)],
+                          capture_output=True, text=True, env=child_env(), timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2
+    assert len(err) == 1, err  # torch's UserWarning about the pickle held back
+    assert f"refused model file {run / 'final.pt'}" in err[0]
+    assert "labavg loads weights only" in err[0]
+    assert "weights_only" not in err[0] and "will likely succeed" not in err[0]
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_pickled_checkpoint_is_refused_in_labavgs_words(tmp_path):
+    from labavg.base.checkpoint import load_rank_state
+    from labavg.base.errors import UserError
+
+    path = tmp_path / "checkpoints" / f"{7:09d}" / "rank0.pt"
+    path.parent.mkdir(parents=True)
+    shutil.copy(_hostile_files(tmp_path)["torch archive"], path)
+    with pytest.raises(UserError) as caught:
+        load_rank_state(tmp_path, 7, 0)
+    assert "naming posix.system" in str(caught.value) or "naming os.system" in str(caught.value)
+    assert "will likely succeed" not in str(caught.value)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_final_pt_that_is_not_torch_says_what_it_starts_with(tmp_path):
+    from labavg.decode.model import load_final_model
+    from labavg.base.errors import UserError
+
+    (tmp_path / "final.pt").write_text("hello, not weights")
+    with pytest.raises(UserError, match=r"not a torch file labavg wrote .*b'hello, n'"):
+        load_final_model(tmp_path)

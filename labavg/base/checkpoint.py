@@ -92,11 +92,52 @@ def load_rank_state(run_dir: Path, step: int, rank: int, map_location: Any = "cp
     """Load one rank's state. Only tensors and plain values are accepted (weights_only)."""
     path = checkpoint_dir(run_dir) / f"{step:09d}" / f"rank{rank}.pt"
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return load_weights(path, "checkpoint", map_location)
     except FileNotFoundError:
         raise UserError(f"checkpoint file {path} is missing") from None
+
+
+def load_weights(path: Path, what: str, map_location: Any = "cpu") -> Any:
+    """torch.load with weights_only=True of a file that may be hostile: FileNotFoundError when
+    it is missing, else UserError saying what the file is.
+
+    torch's own refusal advises loading again with weights_only=False, which runs whatever
+    code a hostile file holds; labavg never does, and its message says so instead. torch's
+    warnings about the pickle are held back (the refusal says what matters).
+    """
+    import pickle
+    import re
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise UserError(f"cannot read {what} {path}: it is a directory") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except pickle.UnpicklingError as exc:  # the weights-only unpickler's refusal
+        found = re.search(r"GLOBAL (\S+)", str(exc))
+        kind = "a torch archive" if _head(path).startswith(b"PK") else "a pickle"
+        holds = f" naming {found.group(1)}" if found else ""
+        raise UserError(f"refused {what} {path}: {kind} of Python objects{holds}, not only "
+                        f"tensors; labavg loads weights only and never runs code from a model "
+                        f"file") from None
     except Exception as exc:  # a corrupt or foreign file: torch raises several types
-        raise UserError(f"cannot read checkpoint {path}: {exc}") from None
+        head = _head(path)
+        raise UserError(f"cannot read {what} {path}: not a torch file labavg wrote "
+                        f"({type(exc).__name__}; it starts with {head!r})") from None
+
+
+def _head(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except OSError:
+        return b""
 
 
 def remove_orphans(run_dir: Path) -> list[Path]:

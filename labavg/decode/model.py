@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from labavg.base.checkpoint import load_weights
 from labavg.base.errors import DataError, UserError
 from labavg.training.model import DNN
 from labavg.training.settings import ModelConfig
@@ -256,12 +257,10 @@ def load_final_model(path: str | os.PathLike) -> ExportedModel:
     if path.is_dir():
         path = path / FINAL
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
+        blob = load_weights(path, "model file")
     except FileNotFoundError:
         raise UserError(f"{path} not found: not a finished labavg run (runs write final.pt at "
                         "the end)") from None
-    except Exception as exc:  # a corrupt or foreign file: torch raises several types
-        raise UserError(f"cannot read {path}: {exc}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise UserError(f"{path}: not a labavg final model")
     if blob.get("version") != VERSION:
