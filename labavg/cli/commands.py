@@ -160,9 +160,11 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from labavg.studies.sweep import load_sweep, run_sweep
+    from labavg.studies.sweep import MAX_POINTS, load_sweep, run_sweep
 
-    sweep = load_sweep(args.sweep_file)
+    if args.max_points is not None and args.max_points < 1:
+        raise UserError(f"--max-points must be >= 1, got {args.max_points}")
+    sweep = load_sweep(args.sweep_file, max_points=args.max_points or MAX_POINTS)
     recorded = None
     if args.recorded:
         from labavg.studies.reproduction.results import read_results_file

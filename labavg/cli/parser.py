@@ -104,6 +104,9 @@ def _add_sweep_and_dashboard_parsers(sub) -> None:
     )
     sweep.add_argument("sweep_file", help="TOML file with [base] and [grid] tables")
     sweep.add_argument("--out", required=True, help="sweep directory")
+    sweep.add_argument("--max-points", type=int, default=None, metavar="N",
+                       help="train a grid of up to N points (default 200; larger grids are "
+                       "refused unless this allows them)")
     sweep.add_argument("--recorded", help="a results file (experiments/reproduction-results.jsonl): "
                        "points it records for this sweep (by the file's name, e.g. beyond) with "
                        "the same settings are not trained again")

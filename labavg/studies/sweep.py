@@ -28,6 +28,7 @@ import contextlib
 import csv
 import io
 import itertools
+import math
 import statistics
 import tomllib
 from collections.abc import Callable, Mapping
@@ -48,6 +49,17 @@ COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "
            "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",
            "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds", "bytes_sent", "speedup",
            "speedup_low", "speedup_high", "cores", "parallel_efficiency", "speedup_flag")
+
+
+# A grid with more points than this is refused unless asked for (`labavg sweep --max-points`):
+# a slip in a grid (ten values where two were meant, on each of four keys) would otherwise be
+# checked point by point for minutes and then train for weeks. The reproduction's largest has 78.
+MAX_POINTS = 200
+
+
+def grid_size(grids: list[dict[str, list[Any]]]) -> int:
+    """How many points the grids make (before points reached twice are merged)."""
+    return sum(math.prod(len(options) for options in grid.values()) for grid in grids or [{}])
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,9 @@ def _label(value: Any) -> str:
     return Path(value).name if isinstance(value, str) and "/" in value else str(value)
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Parse and check a sweep file; every point must be a valid configuration."""
+def load_sweep(path: str | Path, max_points: int = MAX_POINTS) -> Sweep:
+    """Parse and check a sweep file; every point must be a valid configuration, and there may
+    be at most `max_points` of them (counted before any is checked)."""
     path = Path(path)
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -111,6 +124,10 @@ def load_sweep(path: str | Path) -> Sweep:
         for key, options in grid.items():
             if not isinstance(options, list) or not options:
                 raise UserError(f"{path} [grid] {key}: expected a non-empty list of values")
+    size = grid_size(grids)
+    if size > max_points:
+        raise UserError(f"{path}: its grid makes {size:,} points, more than the {max_points} a "
+                        f"sweep trains unless asked; pass --max-points {size} to train them all")
     sweep = Sweep(base, grids, corpora)
     try:
         points = sweep.points()
@@ -192,7 +209,9 @@ def run_sweep(
     make_corpora(sweep, cwd)
     out.mkdir(parents=True, exist_ok=True)
     rows, elsewhere, kept = [], [], 0
-    for name, overrides in sweep.points():
+    points = sweep.points()
+    print(plan_line(points, out), flush=True)
+    for name, overrides in points:
         run_dir = out / "runs" / name
         cfg = validate(with_overrides(sweep.base, {**overrides, "out": str(run_dir)}))
         record = (recorded or {}).get(name)
@@ -227,6 +246,26 @@ def run_sweep(
               f"({', '.join(still[:3])}{' ...' if len(still) > 3 else ''}); run the sweep again "
               "when it ends to tabulate them", flush=True)
     return rows
+
+
+def plan_line(points: list[tuple[str, dict[str, Any]]], out: Path) -> str:
+    """How many points there are, how many are finished, and how long the rest would take at
+    the mean wall time of the finished ones (unknown before one has finished)."""
+    walls = []
+    for name, _ in points:
+        try:
+            wall = read_summary(out / "runs" / name).get("wall_seconds")
+        except UserError:
+            continue
+        if isinstance(wall, (int, float)) and wall > 0:
+            walls.append(wall)
+    left = len(points) - len(walls)
+    if not walls:
+        return (f"labavg sweep: {len(points)} points to train; how long they take is known "
+                f"once the first has finished")
+    mean = statistics.fmean(walls)
+    return (f"labavg sweep: {len(points)} points, {len(walls)} finished, {left} to train: about "
+            f"{left * mean / 3600:.1f} h at the {mean:.0f} s a finished point took")
 
 
 def _same_settings(settings: Mapping[str, Any], cfg: TrainConfig) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from labavg.training.config import TrainConfig
@@ -34,9 +35,25 @@ def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = Non
 
     if size is not None:  # the launched ranks; validate checked cfg.ranks where it is known
         check_hierarchy(cfg, size)
-    train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
+    train_keys, cv_keys = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
     steps_per_epoch(train_keys, source.num_frames, size or cfg.ranks, cfg.minibatch)
     check_model_size(cfg, source.feat_dim * (2 * cfg.data.context + 1), source.num_pdfs)
+    if size is None:  # the preflight's call: once per process, before any rank trains
+        check_cv_data(source, cv_keys)
+
+
+def check_cv_data(source: UtteranceSource, cv_keys: list[str]) -> None:
+    """Load every cross-validation utterance once, so that a NaN or Inf (or a matrix that
+    cannot be read) in one is reported before training, not at the first CV pass an epoch in.
+    The CV set is a small share of the data and is read at every epoch's end anyway."""
+    from labavg.base.errors import DataError
+
+    for key in cv_keys:
+        feats, _ = source.load(key)  # a Kaldi source's loader names the file, frame and dim
+        if not np.all(np.isfinite(feats)):
+            frame, dim = np.argwhere(~np.isfinite(feats))[0]
+            raise DataError(f"cross-validation utterance {key!r}: NaN or Inf in its features "
+                            f"(frame {frame}, dim {dim})")
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
