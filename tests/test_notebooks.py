@@ -50,7 +50,8 @@ EXPECTED_RUNS = {
     "06-averaging-frequency-minibatch-and-schedules": [
         "sweeps/06-K/runs/average_every_1", "sweeps/06-K/runs/average_every_32",
         "sweeps/06-minibatch/runs/minibatch_32", "sweeps/06-schedule/runs/schedule_newbob"],
-    "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2"],
+    "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2",
+                               "sweeps/07-measure-speedup/n2"],
     "08-reproducing-the-paper": [],  # it reads experiments/reproduction-results.jsonl
     "09-beyond-the-paper": ["sweeps/09-methods/runs/ranks_1"] + [
         f"sweeps/09-methods/runs/averaging_{m}-average_every_{k}"
@@ -272,5 +273,107 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
     if name == "07-scaling-and-speedup":
         assert "16 workers lose -" in text and " points on 8 h" in text  # the regime map's
         assert "log2 N / sqrt(updates per worker)" in text  # what predicts it
-        two = _summaries(work)[work / "sweeps/07-scaling/runs/ranks_2"]
-        assert two["speedup"] is not None and two["speedup"] > 0, "speedup against the 1-rank run"
+        # measure speedup: 2 MPI ranks, the speedup measured in pairs inside the run
+        assert "1 rank: 1.00x (one worker: the reference)" in text and "\n2 ranks: " in text
+        measured = _summaries(work)[work / "sweeps/07-measure-speedup/n2"]
+        assert measured["backend"] == "mpi" and measured["speedup_pairs"], measured["speedup_text"]
+        assert f"2 ranks: {measured['speedup_text']}" in text
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = REPO / "tests" / "artifacts" / "notebooks"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+# JupyterLab's notebook area at 1366 px with its file browser open.
+WITH_FILE_BROWSER = 1066
+
+
+def _cell_index(nb, marker: str) -> int:
+    (index,) = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and marker in c.source]
+    return index
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_exported_notebooks_read_well_at_1366_by_768(venv_kernel, tmp_path, monkeypatch):
+    """What a student sees (labavg issue 30): notebooks 01, 02 and 03 executed, exported with
+    teaching.offline_html_exporter and opened in headless chromium at 1366 x 768 with every
+    request off this machine refused. Nothing is asked of a CDN (Panel's stylesheets included),
+    nothing sits on stderr's red, the decoding sweep is a table, the learning rate is said in
+    words, every plot fits the page (also as wide as JupyterLab leaves it with the file browser
+    open). Screenshots of each are kept in tests/artifacts/notebooks/."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
+    from labavg.studies.teaching import offline_html_exporter
+
+    kernel_name, jupyter_path = venv_kernel
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    monkeypatch.setenv("LABAVG_NOTEBOOK_SIZE", "small")
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    monkeypatch.delenv("LABAVG_NOTEBOOK_WORK", raising=False)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    pages = {}
+    for name in ORDER[:3]:
+        nb = _read(name)
+        nbclient.NotebookClient(nb, timeout=240, kernel_name=kernel_name,
+                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+        html, _ = offline_html_exporter(tmp_path).from_notebook_node(nb)
+        (tmp_path / f"{name}.html").write_text(html)
+        pages[name] = nb
+    outside: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1366, "height": 768})
+
+        def route(request_route):
+            where = request_route.request.url
+            if where.startswith(("file://", "data:", "blob:")):
+                request_route.continue_()
+            else:
+                outside.append(where)
+                request_route.abort()
+
+        page.route("**/*", route)
+        try:
+            for name, nb in pages.items():
+                page.set_viewport_size({"width": 1366, "height": 768})
+                page.goto((tmp_path / f"{name}.html").as_uri(), wait_until="load")
+                cells = page.locator(".jp-Cell")
+                assert cells.count() == len(nb.cells)
+                stderr = page.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+                assert stderr.count() == 0, stderr.first.inner_text()
+                for image in page.locator(".jp-OutputArea-output img").all():
+                    image.scroll_into_view_if_needed()
+                    box = image.bounding_box()
+                    assert box["x"] >= 0 and box["x"] + box["width"] <= 1366, (name, box)
+                number = name[:2]
+                if name.startswith("01"):
+                    table = cells.nth(_cell_index(nb, "read_transition_model("))
+                    assert "30 transition ids -> 11 pdfs" in table.inner_text()
+                    table.screenshot(path=str(ARTIFACTS / f"{number}-yesno-in-a-plain-clone.png"))
+                if name.startswith("02"):
+                    trained = cells.nth(_cell_index(nb, "teaching.train(cfg)"))
+                    text = trained.inner_text()
+                    assert "learning rate 0.008 per frame, decaying to 0.00008" in text
+                    assert "epoch 1 of 1: CV frame accuracy" in text and "%|" not in text
+                    trained.screenshot(path=str(ARTIFACTS / f"{number}-training-lines-no-bars.png"))
+                    row = cells.nth(_cell_index(nb, "(loss + acc + lr).cols(3)"))
+                    row.screenshot(path=str(ARTIFACTS / f"{number}-plot-row-at-1366.png"))
+                    decoded = cells.nth(_cell_index(nb, "decode_run("))
+                    assert decoded.locator("table").count() == 1, "the scale sweep as a table"
+                    assert "|---" not in decoded.inner_text()
+                    decoded.screenshot(path=str(ARTIFACTS / f"{number}-decoding-table.png"))
+                if name.startswith("03"):
+                    page.wait_for_timeout(3000)  # Panel's inline JavaScript draws the widgets
+                    control = cells.nth(_cell_index(nb, "RerunControl("))
+                    control.screenshot(path=str(ARTIFACTS / f"{number}-rerun-control.png"))
+                    page.set_viewport_size({"width": WITH_FILE_BROWSER, "height": 768})
+                    page.wait_for_timeout(2000)
+                    board = cells.nth(_cell_index(nb, "create_app("))
+                    board.scroll_into_view_if_needed()
+                    board.screenshot(path=str(ARTIFACTS / f"{number}-dashboard-{WITH_FILE_BROWSER}px.png"))
+                    assert board.bounding_box()["width"] <= WITH_FILE_BROWSER
+                page.screenshot(path=str(ARTIFACTS / f"{number}-first-screen.png"))
+        finally:
+            browser.close()
+    assert outside == [], "an exported notebook asked the network for " + ", ".join(outside[:4])

@@ -286,14 +286,20 @@ def load_plotting(panel: bool = False) -> None:
 
         pn.extension(inline=True)
     hv.extension("matplotlib", logo=False)
-    hv.output(fig="png", dpi=DPI)
+    hv.output(fig="png", dpi=DPI, size=SIZE_PERCENT)
+    # wider than matplotlib's square, for curves over steps; no A, B, C on a row's plots
+    wide = {"aspect": 1.6, "show_grid": True}
+    hv.opts.defaults(*(getattr(hv.opts, kind)(**wide) for kind in
+                       ("Curve", "Scatter", "Bars", "ErrorBars", "Labels", "Overlay", "NdOverlay")),
+                     hv.opts.Layout(sublabel_format="", hspace=0.35), backend="matplotlib")
     logger = logging.getLogger("param.main")  # where HoloViews' option warnings are logged
     if not any(isinstance(f, _OtherBackendsOptions) for f in logger.filters):
         logger.addFilter(_OtherBackendsOptions())
     show_user_errors_in_one_line()
 
 
-DPI = 90  # a row of three default-size plots is about 1100 px wide before the notebook shrinks it
+DPI = 90
+SIZE_PERCENT = 130  # of matplotlib's size: a plot about 550 px wide, a row of three about 1600
 
 
 class _OtherBackendsOptions:
