@@ -90,9 +90,11 @@ class Dashboard:
             self.runs.refresh()
 
     def _main(self) -> pn.Column:
+        # dynamic: a tab's plots are drawn when it is shown, not all of them with the page (9
+        # HoloViews plots took most of a first load's 25 s under load) nor on each rescan.
         tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.scaling),
                        ("Communication", self.runs.communication_view()),
-                       dynamic=False, sizing_mode="stretch_width")
+                       dynamic=True, sizing_mode="stretch_width")
         return pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")
 
     def view(self) -> pn.template.FastListTemplate:

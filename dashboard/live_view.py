@@ -73,6 +73,11 @@ class LivePlots(pn.viewable.Viewer):
                                              styles={"font-size": "0.9em"})
         self._generation = -1
         self._settle = 0
+        self._rebuild: int | None = None  # ranks of the per-rank plots to draw at the next update
+        # The plots are put on the page by the first periodic update, after the page itself:
+        # drawing six HoloViews plots is most of what a page load costs the server.
+        self._shown = False
+        self._build_shared()
         self._build(live.buffers.ranks)
         # The old run's curves go the moment a new run replaces it, not at the next update.
         live.param.watch(lambda _: self._new_run(), "generation")
@@ -81,12 +86,13 @@ class LivePlots(pn.viewable.Viewer):
     def _new_run(self) -> None:
         if self.live.generation == self._generation:
             return
-        if self.live.buffers.ranks == self.ranks:
-            self._generation = self.live.generation
-            self._clear()
-        else:
-            self._build(self.live.buffers.ranks)
-            self._settle = _SETTLE_TICKS
+        self._generation = self.live.generation
+        self._clear()
+        if self.live.buffers.ranks != self.ranks:
+            # New per-rank plots, drawn by the next periodic update: drawn here, they held back
+            # the new run's name and status (sent with them) by seconds on a loaded machine.
+            self._rebuild = self.live.buffers.ranks
+        self._speedup_shown = None
         self._show_speedup()
 
     def _clear(self) -> None:
@@ -102,15 +108,19 @@ class LivePlots(pn.viewable.Viewer):
                              "train_acc_pct": 100 * cv[:, 2]})
 
     def _build(self, ranks: int) -> None:
-        """New plots for a run of `ranks` ranks."""
+        """New per-rank plots (loss, divergence) for a run of `ranks` ranks."""
         self.ranks = ranks
-        self._generation = self.live.generation
+        self._rebuild = None
         legend = ranks <= _LEGEND_MAX_RANKS
         self.loss = StreamedCurves("step", rank_curves("loss", ranks), self.maxlen, "Training loss per rank",
                                    "step (minibatches)", "loss (nats/frame)", legend, **count_axis())
         self.divergence = StreamedCurves("round", rank_curves("div", ranks), self.maxlen,
                                          "Divergence per rank", "averaging round",
                                          "relative RMS distance", legend, **count_axis())
+        self._show(("loss", "divergence"))
+
+    def _build_shared(self) -> None:
+        """The plots every run has whatever its ranks, drawn once and cleared between runs."""
         self.times = StreamedCurves(
             "round", [("compute_s", "compute", {"color": "#1f77b4"}), ("comm_s", "communication", {"color": "#d62728"})],
             self.maxlen, "Compute vs comm", "averaging round", "seconds per round", legend_position="top_left",
@@ -135,11 +145,15 @@ class LivePlots(pn.viewable.Viewer):
                              legend_position="top_left", ylim=ACCURACY_RANGE,
                              xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
 
-        for name in ("loss", "divergence", "times", "fps", "speedup"):
-            self.panes[name].object = getattr(self, name).element
-        self.panes["cv"].object = hv.DynamicMap(cv, streams=[self.cv_pipe])
+        self.cv = hv.DynamicMap(cv, streams=[self.cv_pipe])
+        self._show(("times", "fps", "speedup", "cv"))
         self._cv_count = 0
         self._speedup_shown: RunSpeedup | None = None
+
+    def _show(self, names: tuple[str, ...]) -> None:
+        for name in names if self._shown else ():
+            plot = getattr(self, name)
+            self.panes[name].object = plot if name == "cv" else plot.element
 
     def __panel__(self) -> pn.Column:
         """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy."""
@@ -168,6 +182,14 @@ class LivePlots(pn.viewable.Viewer):
         """Stream the rows collected since the last call; returns how many rows were sent."""
         if self.live.generation != self._generation:
             self._new_run()
+        if not self._shown:
+            self._shown = True
+            self._show(tuple(self.panes))
+            self._settle = _SETTLE_TICKS
+        if self._rebuild is not None:
+            self._build(self._rebuild)
+            self._settle = _SETTLE_TICKS
+            return 0
         if self._settle > 0:
             # A served page swaps in new plots a little later: until then, changes to their
             # bokeh models reach the browser before the models do ("reference isn't known").

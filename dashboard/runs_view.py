@@ -4,6 +4,7 @@ sent (the Scaling tab is dashboard.scaling_view, redrawn when the table is)."""
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import pandas as pd
@@ -63,10 +64,11 @@ class RunsView(pn.viewable.Viewer):
             stylesheets=[_TABLE_CSS],
         )
         self.tabulator.param.watch(self._on_select, "selection")
+        self._drawn = ""
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",
                                                 label="Download CSV", color="default", width=150)
         self.refresh_button = pn.widgets.Button(label="Refresh", width=100)
-        self.refresh_button.on_click(lambda _: self.refresh())
+        self.refresh_button.on_click(lambda _: self.refresh(force=True))
         self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
         self.communication = pn.pane.HoloViews(communication_plot([]), sizing_mode="stretch_width")
 
@@ -96,10 +98,15 @@ class RunsView(pn.viewable.Viewer):
         self.table.selected = [frame.iloc[i]["run"] for i in event.new if i < len(frame)]
         self.overlay.object = overlay_plot(self.table.overlay())
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Rescan the runs directory and redraw the table and the communication plots."""
         selected = list(self.table.selected)
         rows = self.table.refresh()
+        # json: a NaN (a stopped run's CV) equals itself there.
+        drawn = json.dumps(rows, sort_keys=True, default=str)
+        if drawn == self._drawn and not force:
+            return  # a rescan while a run trains finds the same rows: nothing to redraw
+        self._drawn = drawn
         frame = table_frame(rows)
         self.tabulator.value = frame
         # As tall as its rows, so that the overlay below starts on screen.

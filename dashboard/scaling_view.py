@@ -9,6 +9,7 @@ this server) on a worker thread, and plots what they measured the same way.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -57,6 +58,7 @@ class ScalingView(pn.viewable.Viewer):
         self._outcome: queue.SimpleQueue = queue.SimpleQueue()
         self._progress = ""
         self._thread: threading.Thread | None = None
+        self._drawn = ""
         table.param.watch(lambda _: self.refresh(), "rows")
 
     def __panel__(self) -> pn.Column:
@@ -70,6 +72,10 @@ class ScalingView(pn.viewable.Viewer):
         """Redraw the runs' points (the table has just been rescanned)."""
         points = self.table.scaling()
         predicted = self.table.predicted()
+        drawn = json.dumps([points, predicted], sort_keys=True, default=str)
+        if drawn == self._drawn:
+            return  # the table was rescanned, its measured runs are the same
+        self._drawn = drawn
         self.plot.object = scaling_plot(points, self.cores, predicted)
         notes = [n for p in points if (n := oversubscribed_note(p, dict(predicted)))]
         if not any(p["ranks"] > 1 for p in points):
