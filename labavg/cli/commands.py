@@ -96,16 +96,45 @@ def cmd_train(args: argparse.Namespace) -> int:
                                allow_pipes=args.allow_pipes)
     else:
         try:
-            summary = start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
-                                hosts=args.hosts, progress=progress,
-                                launcher=args.launcher).wait()
-        except JobFailed as exc:  # its ranks have said why
+            summary = _wait_interruptibly(start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
+                                                    hosts=args.hosts, progress=progress,
+                                                    launcher=args.launcher))
+        except JobFailed as exc:  # its ranks have said why (or, interrupted, that it was)
             return exc.code
     if summary is not None and not args.config_json:  # a rank labavg started: its parent says it
         print(format_table([{"run": cfg.out, **summary}]))
         written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
         print(f"run directory: {cfg.out}  ({written})")
     return 0
+
+
+def _wait_interruptibly(handle) -> dict[str, Any] | None:
+    """`handle.wait()`; for a job of processes, SIGINT or SIGTERM to this process alone ends the
+    job as Ctrl-C to its process group does (the handle says so in one line) instead of being
+    ignored (a shell starts a background job with SIGINT ignored) or ending this process
+    without a word while its ranks are killed behind it."""
+    import signal
+
+    interrupt = getattr(handle, "interrupt", None)
+    if interrupt is None:  # threads of this process: Ctrl-C reaches them as before
+        return handle.wait()
+    caught: list[int] = []
+
+    def on_signal(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return handle.wait()
+    except KeyboardInterrupt:
+        for s in before:  # a second signal must not cut the job's ending short
+            signal.signal(s, signal.SIG_IGN)
+        interrupt(caught[0] if caught else signal.SIGINT)
+        return handle.wait()  # raises JobFailed with the interrupted status
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

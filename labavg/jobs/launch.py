@@ -33,6 +33,7 @@ from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.waiting import wait_until
+from labavg.jobs.job_outcome import last_steps, lost_ranks, srun_lost, status_of
 from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
@@ -240,6 +241,10 @@ class JobRun:
         except BaseException:
             self._held.close()
             raise
+        self._interrupted: int | None = None  # the signal this process was ended by
+        # Set when the job has ended: a Thread.join that a signal interrupts can leave the
+        # thread reported dead while it runs on (CPython gh-90882), so the ending is an Event.
+        self._ended = threading.Event()
         self._lost_pids: set[int] = set()
         self._errors: list[str] = []
         self._launcher_lines: list[str] = []
@@ -265,6 +270,8 @@ class JobRun:
                 continue
             elif any(mark in line for mark in _HYDRA_NOISE):
                 continue
+            elif line.strip() == "labavg: interrupted":  # a rank's; the launcher says it once
+                continue
             elif (_HYDRA_TRACE.match(line) or _SRUN_LINE.match(line)
                   or (self.cfg.backend == "torch" and self._torchrun_line(line))):
                 # torchrun's own log lines and its ChildFailedError traceback too; a worker
@@ -289,28 +296,55 @@ class JobRun:
             for line in self._proc.stdout:
                 # Hydra reports a lost process ("PID n RUNNING AT host") in a banner on stdout.
                 self._lost_pids.update(int(p) for p in re.findall(r"PID (\d+) RUNNING", line))
-                if any(line.startswith(mark) for mark in _HYDRA_NOISE):
+                if any(line.startswith(mark) for mark in _HYDRA_NOISE) or (
+                        _HYDRA_TRACE.match(line) and "Ctrl-C" in line):  # told to interrupt
                     continue
                 sys.stdout.write(line)
                 sys.stdout.flush()
             code = self._proc.wait()
             self._relay.join()
-            lost = _lost_ranks(self.run_dir, self._lost_pids) or _srun_lost(self._launcher_lines)
+            if self._interrupted is not None or code in _SIGNALLED:
+                # Ended by a signal (Ctrl-C, or the launcher alone told to stop): not a failure.
+                self._say_interrupted(self._interrupted or _SIGNALLED[code])
+                return
+            lost = lost_ranks(self.run_dir, self._lost_pids) or srun_lost(self._launcher_lines)
             if code == 0 or not (lost or self._rank_said or self._errors):
                 sys.stderr.writelines(self._launcher_lines)
             if code != 0 and self._errors:
                 # What the ranks said decides: torchrun exits 1, and srun reports the peers it
                 # killed (137), whatever status the rank that ended the job chose.
-                code = _status_of(self._errors)
+                code = status_of(self._errors)
             if code == 0:
                 sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
             elif not self._errors:
                 said = "".join(f"{s}; " for s in self._rank_said[:1])
                 print(f"labavg: error: {said}the {_job_kind(self.cfg)} job failed (exit status "
-                      f"{code}); {lost}{_last_steps(self.run_dir)}", file=sys.stderr)
+                      f"{code}); {lost}{last_steps(self.run_dir)}", file=sys.stderr)
             self.code = code
         finally:
             self._held.close()
+            self._ended.set()
+
+    def _say_interrupted(self, signum: int) -> None:
+        import signal
+
+        self.code = 128 + signum
+        print(f"labavg: interrupted ({signal.Signals(signum).name}): every rank of the "
+              f"{_job_kind(self.cfg)} job has ended; `labavg train --resume {self.cfg.out}` "
+              f"continues it from its last checkpoint", file=sys.stderr, flush=True)
+
+    def interrupt(self, signum: int, grace: float = 20.0) -> None:
+        """End the job as Ctrl-C to its process group does, when this process alone got the
+        signal: mpiexec/torchrun are told to end their ranks (SIGINT, then SIGKILL after
+        `grace` seconds), and this returns once they have and the lock is released."""
+        import signal
+
+        self._interrupted = signum
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)
+        if not self._ended.wait(grace):
+            self._proc.kill()
+            self._ended.wait(grace)
 
     def poll(self) -> list[dict[str, Any]]:
         return self._tail.read()
@@ -321,16 +355,23 @@ class JobRun:
             self._stop_file.touch()
 
     def done(self) -> bool:
-        return not self._watch.is_alive()
+        return self._ended.is_set()
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         from labavg.jobs.index import SUMMARY
 
-        _join(self._watch, timeout, str(self.run_dir))
+        # Short waits, so that Ctrl-C reaches the waiting (main) thread.
+        if not wait_until(self._ended.is_set, timeout, 0.2, pause=self._ended.wait):
+            raise TimeoutError(f"run {self.run_dir} still going after {timeout} s")
         if self.code != 0:
             raise JobFailed(self.run_dir, self.code if self.code is not None else -1)
         path = self.run_dir / SUMMARY
         return json.loads(path.read_text()) if path.is_file() else None
+
+
+# Exit statuses of a launcher ended by SIGINT or SIGTERM (130/143 from mpiexec and torchrun,
+# -2/-15 from Popen when it died of the signal itself): the signal each stands for.
+_SIGNALLED = {130: 2, 143: 15, -2: 2, -15: 15}
 
 
 def _job_kind(cfg: TrainConfig) -> str:
@@ -354,44 +395,6 @@ _TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch's glog-style
 _TORCHRUN_SIGNALLED = re.compile(r"failed \(exitcode: -\d+\) local_rank: \d+ \(pid: (\d+)\)")
 # hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".
 _HYDRA_TRACE = re.compile(r"^\[(proxy:\d+|mpiexec)@[^\]]*\] ")
-
-
-def _lost_ranks(run_dir: Path, pids: set[int]) -> str:
-    """'rank R (pid P) was lost; ' for each pid the launcher reported, from the run's log."""
-    from labavg.jobs.index import EVENTS, read_events
-
-    if not pids or not (run_dir / EVENTS).is_file():
-        return ""
-    ranks = {e["pid"]: e["rank"] for e in read_events(run_dir) if e["type"] == "run_started"}
-    return "".join(f"rank {ranks[p]} (pid {p}) was lost; " for p in sorted(pids) if p in ranks)
-
-
-def _status_of(errors: list[str]) -> int:
-    """Exit status of a job whose ranks printed `errors`: 3 (the watchdog), else 2 (a user
-    error: every other 'labavg: error:' line a rank prints is one)."""
-    from labavg.comm.watchdog import EXIT_WATCHDOG
-
-    return EXIT_WATCHDOG if any(e.startswith("labavg: error: watchdog:") for e in errors) else 2
-
-
-def _srun_lost(lines: list[str]) -> str:
-    """'rank R was lost; ' for each task srun reported ended badly (none under mpiexec)."""
-    from labavg.jobs.slurm import ended_tasks
-
-    return "".join(f"rank {r} was lost; " for r in ended_tasks(lines))
-
-
-def _last_steps(run_dir: Path) -> str:
-    """Where each rank got to, from the events it logged (to find a lost or failed rank)."""
-    from labavg.jobs.index import EVENTS, read_events
-
-    if not (run_dir / EVENTS).is_file():
-        return "no rank logged any event"
-    last: dict[int, int] = {}
-    for event in read_events(run_dir):
-        if "step" in event:
-            last[event["rank"]] = max(last.get(event["rank"], 0), event["step"])
-    return ", ".join(f"rank {r} last event at step {s}" for r, s in sorted(last.items()))
 
 
 # -- ipyparallel engines ----------------------------------------------------------------------
