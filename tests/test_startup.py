@@ -53,13 +53,20 @@ def test_help_imports_no_torch(args):
 
 
 def test_info_of_runs_imports_no_torch(tmp_path):
-    run = tmp_path / "runs" / "k10"
+    from labavg.base.settings import to_dict
+    from labavg.training.config import TrainConfig
+
+    run, running = tmp_path / "runs" / "k10", tmp_path / "runs" / "k20"
     run.mkdir(parents=True)
     summary = {"ranks": 2, "backend": "inproc", "averaging": "bmuf", "average_every": 10}
     (run / "summary.json").write_text(json.dumps(summary))
+    running.mkdir()  # started, not ended: only its settings are on disk
+    config = to_dict(TrainConfig(out=str(running), ranks=4, average_every=20))
+    (running / "config.json").write_text(json.dumps(config))
     code, out, err, torch_loaded = _labavg("info", str(tmp_path / "runs"))
     assert code == 0, err
-    assert f"| {run} | 2 | 10 |" in out and " bmuf " in out and not torch_loaded
+    assert f"| {run} | 2 | 10 |" in out and " bmuf " in out
+    assert f"| {running} (running/incomplete) | 4 | 20 |" in out and not torch_loaded
 
 
 @pytest.mark.parametrize("args, message", [
