@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import errno
 import os
 import shutil
 import tempfile
@@ -23,18 +24,45 @@ from labavg.base.errors import UserError
 MANIFEST = "latest.json"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file, fsync and rename: all or nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+# A disk that is full, over quota or read-only: the user's to fix, and the run resumable.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+class NoRoom(UserError):
+    """A file of a run could not be written because its disk is full (or over quota, or
+    read-only); what was written before is whole, so the run resumes once there is room."""
+
+
+def no_room(path: Path, exc: OSError) -> UserError | OSError:
+    """The UserError to raise for `exc`, met writing `path`; `exc` itself if it is another
+    kind of OSError."""
+    if exc.errno not in _NO_ROOM:
+        return exc
+    return NoRoom(f"cannot write {path}: {exc.strerror}; free some space, then `labavg train "
+                  f"--resume` continues the run from its last checkpoint (or, before its first, "
+                  f"start it again)")
+
+
+def atomic_write_bytes(path: Path, data: bytes, named: Path | None = None) -> None:
+    """Write `data` to `path` via a temporary file, fsync and rename: all or nothing.
+
+    A full disk is a UserError naming `named` (default `path`)."""
+    named = path if named is None else named
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise no_room(named, exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise no_room(named, exc) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -58,7 +86,8 @@ def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) 
     buf = io.BytesIO()
     torch.save(state, buf)
     path = checkpoint_dir(run_dir) / f"{step:09d}" / f"rank{rank}.pt"
-    atomic_write_bytes(path, buf.getvalue())
+    # Every rank meets a full disk at once: named by the step, their messages are one.
+    atomic_write_bytes(path, buf.getvalue(), named=path.parent)
     return path
 
 

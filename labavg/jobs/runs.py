@@ -125,6 +125,12 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                 summary["resumed"] = resume
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     finally:
+        # Ended early (a full disk met writing the log): the trainer's own cleanup (its data
+        # threads, its communicator) runs now, not during interpreter shutdown, where it ended
+        # the process with "terminate called without an active exception".
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
         if bar is not None:
             bar.close()
         for log in logs.values():

@@ -166,7 +166,9 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
         if isinstance(exc, KeyboardInterrupt):
             comm.abort("interrupted", 130, quiet=True)
         elif user is not None:
-            print(f"labavg: error: rank {comm.rank}: {one_line(user)}", file=sys.stderr, flush=True)
+            # One write, newline included: hydra relays ranks' output in the chunks written.
+            print(f"labavg: error: rank {comm.rank}: {one_line(user)}\n", end="", file=sys.stderr,
+                  flush=True)
             comm.abort(str(user), 2, quiet=True)
         else:
             if _peer_lost(exc):
