@@ -56,11 +56,15 @@ def test_a_bad_password_file_is_one_line(tmp_path, capsys, content, words):
 
 
 def test_serve_refuses_a_network_address_without_a_password():
-    from dashboard.app import serve
-    from labavg.base.errors import UserError
-
-    with pytest.raises(UserError, match="'0.0.0.0' is not a loopback address"):
-        serve(port=free_port(), open_browser=False, address="0.0.0.0")
+    # In a child with a time limit: a serve() that does not refuse serves until killed.
+    code = ("from dashboard.app import serve\n"
+            f"serve(port={free_port()}, open_browser=False, address='0.0.0.0')\n")
+    try:
+        proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True,
+                              env=child_env(), timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("serve() listened on 0.0.0.0 without a password")
+    assert "UserError: address '0.0.0.0' is not a loopback address" in proc.stderr, proc.stderr
 
 
 def _start(tmp_path, *args: str) -> tuple[subprocess.Popen, int, str]:
