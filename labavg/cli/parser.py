@@ -24,7 +24,7 @@ def _add_train_parser(sub) -> None:
         description="Train a DNN acoustic model on N workers with periodic model averaging. "
         "Settings come from the defaults, then CONFIG (TOML), then the flags given.",
         epilog=EXAMPLES + "\naveraging methods: " + "; ".join(
-            f"{name} ({cls.help})" for name, cls in methods().items()),
+            f"{name} ({method.help})" for name, method in methods().items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", help="TOML configuration file")
