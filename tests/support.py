@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -94,10 +93,9 @@ def stopped_then_resumed(cfg, at_step: int = 4) -> tuple[dict, dict]:
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
     """`predicate()`'s first true value; fail the test naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    from labavg.base.waiting import wait_until
+
+    value = wait_until(predicate, timeout, poll)
+    if not value:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    return value
