@@ -170,3 +170,24 @@ def test_the_shipped_yesno_run_opens_in_a_plain_clone(monkeypatch):
     readme = " ".join((teaching.YESNO / "README.md").read_text().split())
     assert "Apache License 2.0" in readme and "SLR1" in readme
     assert (teaching.YESNO / "COPYING.kaldi").is_file()
+
+
+def test_the_learning_rate_is_said_in_words():
+    cfg = teaching.SIZES["class"].base
+    assert teaching.lr_words(cfg) == "learning rate 0.008 per frame, decaying to 0.00008"
+    four = with_overrides(cfg, {"ranks": 4, "schedule": "newbob"})
+    assert teaching.lr_words(four) == "learning rate 0.008 per frame (x 4 workers: 0.032), newbob schedule"
+
+
+def test_train_prints_a_line_per_epoch_and_reads_a_finished_run_back(corpus, tmp_path, capsys):
+    cfg = with_overrides(teaching.SIZES["small"].base, {
+        "data.data": str(corpus), "epochs": 2, "tensorboard": False, "out": str(tmp_path / "run")})
+    summary = teaching.train(cfg)
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1 of 2", "epoch 2 of 2"]
+    assert lines[-1].startswith(f"epoch 2 of 2: CV frame accuracy {100 * summary['cv_frame_accuracy']:.2f} %")
+    assert printed.err == "", "no progress bars"
+    stamp = (tmp_path / "run" / "summary.json").stat().st_mtime_ns
+    assert teaching.train(cfg) == summary and capsys.readouterr().out == ""
+    assert (tmp_path / "run" / "summary.json").stat().st_mtime_ns == stamp, "read back, not trained"

@@ -268,11 +268,12 @@ def banner(notebook: str, size: NotebookSize, timings: dict[str, Any] | None = N
 
 
 def load_plotting(panel: bool = False) -> None:
-    """HoloViews in a notebook drawing PNG images (its matplotlib backend): an image shrinks to
-    the notebook's width (a row of three plots is never cut, whatever the window and the side
-    panels), needs no JavaScript (a class without internet, an exported HTML file) and weighs
-    tens of kilobytes where each bokeh plot carried its own JavaScript and data. Panel only when
-    asked (notebook 03's widgets), with its JavaScript and stylesheets inline, never from a CDN.
+    """HoloViews objects shown in a notebook as PNG images (its matplotlib backend): an image
+    shrinks to the notebook's width (a row of three plots is never cut, whatever the window and
+    the side panels), needs no JavaScript (a class without internet, an exported HTML file) and
+    weighs tens of kilobytes where each bokeh plot carried its own JavaScript and data. No
+    `hv.extension`: its loader asks a CDN for bokeh's JavaScript even for images. Panel only
+    when asked (notebook 03's widgets), with its JavaScript and stylesheets inline.
 
     The notebooks' sizes and tools are bokeh's options (`width=`, `tools=`): they stay valid
     for the interactive dashboard and are set aside for the images, without a warning each."""
@@ -280,13 +281,13 @@ def load_plotting(panel: bool = False) -> None:
 
     import holoviews as hv
     import holoviews.plotting.bokeh  # noqa: F401 - its option names stay valid
+    import holoviews.plotting.mpl  # noqa: F401 - the images' backend
 
     if panel:
         import panel as pn
 
         pn.extension(inline=True)
-    hv.extension("matplotlib", logo=False)
-    hv.output(fig="png", dpi=DPI, size=SIZE_PERCENT)
+    hv.Store.set_current_backend("matplotlib")
     # wider than matplotlib's square, for curves over steps; no A, B, C on a row's plots
     wide = {"aspect": 1.6, "show_grid": True}
     hv.opts.defaults(*(getattr(hv.opts, kind)(**wide) for kind in
@@ -295,7 +296,20 @@ def load_plotting(panel: bool = False) -> None:
     logger = logging.getLogger("param.main")  # where HoloViews' option warnings are logged
     if not any(isinstance(f, _OtherBackendsOptions) for f in logger.filters):
         logger.addFilter(_OtherBackendsOptions())
+    shell = _shell()
+    if shell is not None:
+        renderer = hv.renderer("matplotlib").instance(dpi=DPI, size=SIZE_PERCENT, fig="png")
+        shell.display_formatter.formatters["image/png"].for_type(
+            hv.core.Dimensioned, lambda obj: renderer(obj, fmt="png")[0])
     show_user_errors_in_one_line()
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
 
 
 DPI = 90
@@ -340,11 +354,7 @@ def show_user_errors_in_one_line() -> None:
     """In IPython, a UserError (a bad value, engines already shut down) prints its one line
     instead of a traceback, as the CLI does: a class rerunning a cell after Run All reads
     what to do, not forty lines of someone else's stack."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
+    shell = _shell()
     if shell is None:
         return
 
