@@ -126,11 +126,12 @@ class RerunControl(pn.viewable.Viewer):
                   for i, (label, s) in enumerate(self.runs)]
         if not curves:
             curves = [hv.Curve([], "step", "divergence")]
-        return hv.Overlay(curves).opts(
-            hv.opts.Curve(width=560, height=300, logy=True, xlabel="step (minibatches per worker)",
-                          ylabel="divergence (relative RMS)", show_grid=True),
-            hv.opts.Overlay(title="divergence before each averaging round (rank 0)",
-                            legend_position="bottom_right"))
+        # Options as keywords: the hv.opts.Curve builder needs hooks that importing HoloViews'
+        # bokeh backend alone (load_backend, once) does not run.
+        axes = dict(width=560, height=300, logy=True, xlabel="step (minibatches per worker)",
+                    ylabel="divergence (relative RMS)", show_grid=True)
+        return hv.Overlay([curve.opts(**axes) for curve in curves]).opts(
+            title="divergence before each averaging round (rank 0)", legend_position="bottom_right")
 
     def _refresh(self) -> None:
         self.table.object = format_table([s for _, s in self.runs])
