@@ -54,6 +54,10 @@ WRONG_TYPES = {
     "lr_list": ({"config": {**CONFIG, "lr": [1]}}, "'config.lr' is a list"),
     "wall_object": ({"wall_seconds": {"s": 1}}, "'wall_seconds' is an object"),
     "speedup_bool": ({"speedup": True}, "'speedup' is a boolean"),
+    "pairs_numbers": ({"ranks": 2, "speedup_pairs": [1, 2]}, "'speedup_pairs' is a list"),
+    "pairs_text": ({"ranks": 2, "speedup_pairs": [["a", "b"]]}, "'speedup_pairs' is a list"),
+    "cores_string": ({"cores": "four"}, "'cores' is a string"),
+    "load_string": ({"load_average": {"start": "high"}}, "'load_average.start' is a string"),
 }
 
 

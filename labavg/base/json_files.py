@@ -81,6 +81,7 @@ NUMBER = "a number"
 INT = "an integer"
 TEXT = "a string"
 PAIR = "a list of two numbers"
+PAIRS = "a list of pairs of numbers"
 OBJECT = "an object"
 FLAG = "true or false"
 
@@ -97,6 +98,8 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, bool)
     if kind == OBJECT:
         return isinstance(value, dict)
+    if kind == PAIRS:
+        return isinstance(value, list) and all(_is(v, PAIR) for v in value)
     return (isinstance(value, list) and len(value) == 2
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
 

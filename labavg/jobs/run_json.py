@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from labavg.base.json_files import FLAG, INT, NUMBER, OBJECT, PAIR, TEXT, check_fields, load_json
+from labavg.base.json_files import (FLAG, INT, NUMBER, OBJECT, PAIR, PAIRS, TEXT, check_fields,
+                                     load_json)
 
 # The fields each reader uses, with the type it needs; None is allowed for every one of them
 # (a run without a decode has no wer). Fields not named are kept but never formatted.
 SUMMARY_FIELDS = {
     "ranks": INT, "average_every": INT, "steps": INT, "epochs": INT, "minibatch": INT,
-    "averaging_rounds": INT, "num_params": INT,
+    "averaging_rounds": INT, "num_params": INT, "cores": INT, "speedup_pairs": PAIRS,
+    "load_average.start": NUMBER, "load_average.end": NUMBER,
     "lr": NUMBER, "wall_seconds": NUMBER, "compute_seconds": NUMBER, "comm_seconds": NUMBER,
     "comm_fraction": NUMBER, "cv_frame_accuracy": NUMBER, "cv_loss": NUMBER, "wer": NUMBER,
     "per": NUMBER, "speedup": NUMBER, "parallel_efficiency": NUMBER, "bytes_sent": NUMBER,
