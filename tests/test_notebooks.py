@@ -377,6 +377,8 @@ def test_exported_notebooks_read_well_at_1366_by_768(venv_kernel, tmp_path, monk
                     board.scroll_into_view_if_needed()
                     board.screenshot(path=str(ARTIFACTS / f"{number}-dashboard-{WITH_FILE_BROWSER}px.png"))
                     assert board.bounding_box()["width"] <= WITH_FILE_BROWSER
+                page.set_viewport_size({"width": 1366, "height": 768})
+                page.evaluate("window.scrollTo(0, 0)")
                 page.screenshot(path=str(ARTIFACTS / f"{number}-first-screen.png"))
         finally:
             browser.close()
