@@ -259,7 +259,7 @@ def test_torchrun_rank_that_raises_is_one_line_naming_it(corpus, tmp_path):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("content, kind", [("[1, 2]", "list"), ('"done"', "str"), ("null", "NoneType")])
+@pytest.mark.parametrize("content, kind", [("[1, 2]", "a list"), ('"done"', "a string"), ("null", "null")])
 def test_info_of_a_summary_that_is_not_an_object_is_one_line(tmp_path, content, kind):
     run = tmp_path / "run"
     run.mkdir()
@@ -268,5 +268,5 @@ def test_info_of_a_summary_that_is_not_an_object_is_one_line(tmp_path, content, 
     proc = _cli("info", str(run))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"labavg: error: {run / 'summary.json'}: not a labavg summary "
-                                   f"(a JSON {kind}, expected an object)")
+                                   f"(JSON holding {kind}, expected an object)")
     assert proc.stdout == ""

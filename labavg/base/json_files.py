@@ -106,7 +106,7 @@ def _is(value: Any, kind: str) -> bool:
 
 def _type_name(value: Any) -> str:
     names = {str: "a string", list: "a list", dict: "an object", bool: "a boolean",
-             int: "a number", float: "a number"}
+             int: "a number", float: "a number", type(None): "null"}
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return names.get(type(value), type(value).__name__)
@@ -116,7 +116,7 @@ def check_fields(values: Any, fields: dict[str, str], path: Path, what: str) -> 
     """`values` if it is an object whose named fields (dotted for nested ones) have their
     types; DamagedFile naming the file and the first bad field otherwise."""
     if not isinstance(values, dict):
-        raise DamagedFile(f"{path}: not a labavg {what} (a JSON {_type_name(values)}, "
+        raise DamagedFile(f"{path}: not a labavg {what} (JSON holding {_type_name(values)}, "
                           f"expected an object)")
     for dotted, kind in fields.items():
         value: Any = values
