@@ -157,6 +157,20 @@ CONTROL_CELLS = ("start_run(", "RerunControl(")
 # What a class does after Run All in notebook 03: the exercises' cells (set the control's
 # boxes), then Run pressed.
 PRESS_RUN = "summary_exercise = control.run()\nprint(control.status.object)"
+# What notebook 03's last cell tells a class to do when done: the engines stay up after Run All.
+SHUT_DOWN = "if 'cluster' in globals():\n    cluster.shutdown()"
+
+
+def _shut_down_engines(client, nb) -> None:
+    """Run SHUT_DOWN in the kernel (a cell not kept in `nb`): a kernel stopped without it can
+    be killed before ipyparallel's exit hook has stopped the engines."""
+    cell = nbformat.v4.new_code_cell(SHUT_DOWN)
+    nb.cells.append(cell)
+    try:
+        client.execute_cell(cell, len(nb.cells) - 1)
+    finally:
+        nb.cells.pop()
+    assert not [o for o in cell.outputs if o.output_type == "error"], cell.outputs
 
 
 def _rerun_after_run_all(client, nb) -> list:
@@ -199,6 +213,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         # one-line UserError still marks its cell failed, as Jupyter shows it.)
         client.allow_errors = True
         reruns = _rerun_after_run_all(client, nb)
+        _shut_down_engines(client, nb)
 
     errors = [o for c in [*nb.cells, *reruns] if c.cell_type == "code"
               for o in c.get("outputs", []) if o.output_type == "error"]
@@ -319,8 +334,12 @@ def test_exported_notebooks_read_well_at_1366_by_768(venv_kernel, tmp_path, monk
     pages = {}
     for name in ORDER[:3]:
         nb = _read(name)
-        nbclient.NotebookClient(nb, timeout=240, kernel_name=kernel_name,
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+        client = nbclient.NotebookClient(nb, timeout=240, kernel_name=kernel_name,
+                                         resources={"metadata": {"path": str(tmp_path)}})
+        with client.setup_kernel():
+            for index, cell in enumerate(nb.cells):
+                client.execute_cell(cell, index)
+            _shut_down_engines(client, nb)
         html, _ = offline_html_exporter(tmp_path).from_notebook_node(nb)
         (tmp_path / f"{name}.html").write_text(html)
         pages[name] = nb
