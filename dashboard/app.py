@@ -54,7 +54,13 @@ class Dashboard:
     def __init__(self, runs_dir: str = "runs", data: str = DATA) -> None:
         self.settings = RunSettings(runs_dir=runs_dir, data=data)
         self.live = LiveRun()
-        self.table = RunTable(runs_dir=runs_dir)
+        # The sidebar says what the run on screen trains when this page did not start it (a
+        # reload, a second page, a followed run), so that Start trains what is on screen.
+        self.live.param.watch(self._show_run_settings, "config")
+        # A reload, or a second page, shows the server's run in progress, else its last run:
+        # before the plots and boxes are made, so they are made for it, once.
+        self.live.attach(last=True)
+        self.table = RunTable(runs_dir=self.settings.runs_dir)
         self.plots = LivePlots(self.live)
         self.runs = RunsView(self.table)
         self.scaling = ScalingView(self.table, self.settings)
@@ -62,14 +68,9 @@ class Dashboard:
         self.settings.param.watch(lambda e: setattr(self.table, "runs_dir", e.new), "runs_dir")
         self.table.param.watch(lambda _: self.runs.refresh(), "runs_dir")
         self.live.param.watch(lambda _: self.runs.refresh(), "running")
-        # The sidebar says what the run on screen trains when this page did not start it (a
-        # reload, a second page, a followed run), so that Start trains what is on screen.
-        self.live.param.watch(self._show_run_settings, "config")
         self._ticks = 0
         self.runs.refresh()
         self.scaling.refresh()
-        # A reload, or a second page, shows the server's run in progress, else its last run.
-        self.live.attach(last=True)
 
     def _show_run_settings(self, event: Any) -> None:
         if event.new and not self.live.own:

@@ -122,11 +122,13 @@ class RunControls(pn.viewable.Viewer):
         super().__init__(**params)
         self.settings, self.live = settings, live
         self.start_button = pn.widgets.Button(label="Start", color="primary", sizing_mode="stretch_width")
-        self.stop_button = pn.widgets.Button(label="Stop", color="danger", disabled=True,
+        # A page that opens on a run in progress (a reload) has Stop on from the start.
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", disabled=not live.running,
                                              sizing_mode="stretch_width")
         self.follow_input = pn.widgets.TextInput(placeholder="run dir to follow",
                                                  sizing_mode="stretch_width")
-        self.follow_button = pn.widgets.Button(label="Follow", sizing_mode="stretch_width")
+        self.follow_button = pn.widgets.Button(label="Follow", sizing_mode="stretch_width",
+                                               disabled=live.running)
         self.start_button.on_click(lambda _: self.live.start(self.settings))
         self.stop_button.on_click(lambda _: self.live.stop())
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))
@@ -161,7 +163,9 @@ class RunControls(pn.viewable.Viewer):
 
     def _text(self) -> str:
         """The status line, then what the run on screen is (not what the settings say)."""
-        icon = {"live": "▶", "monitor": "👁", "idle": "■"}[self.live.mode]
+        # Shapes every sans-serif font has: an emoji (once an eye) was an empty box without
+        # an emoji font.
+        icon = {"live": "▶", "monitor": "◉", "idle": "■"}[self.live.mode]
         if not self.live.config:
             on_screen = "No run on screen."
         else:

@@ -68,6 +68,8 @@ class LivePlots(pn.viewable.Viewer):
         names = ("loss", "divergence", "speedup", "times", "fps", "cv")
         self.panes = {name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
                                               linked_axes=False)
+                      if name in ("speedup", "cv") else
+                      pn.pane.Bokeh(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10)
                       for name in names}
         self.speedup_line = pn.pane.Markdown("", sizing_mode="stretch_width", margin=(0, 10),
                                              styles={"font-size": "0.9em"})
@@ -114,8 +116,10 @@ class LivePlots(pn.viewable.Viewer):
         legend = ranks <= _LEGEND_MAX_RANKS
         self.loss = StreamedCurves("step", rank_curves("loss", ranks), self.maxlen, "Training loss per rank",
                                    "step (minibatches)", "loss (nats/frame)", legend, **count_axis())
-        self.divergence = StreamedCurves("round", rank_curves("div", ranks), self.maxlen,
-                                         "Divergence per rank", "averaging round",
+        # One rank has nothing to diverge from: its flat zero is said in the title.
+        title = "Divergence: 0 with one rank" if ranks == 1 else "Divergence per rank"
+        self.divergence = StreamedCurves("round", rank_curves("div", ranks, over=True), self.maxlen,
+                                         title, "averaging round",
                                          "relative RMS distance", legend, **count_axis())
         self._show(("loss", "divergence"))
 

@@ -17,7 +17,8 @@ import holoviews as hv
 import holoviews.plotting.bokeh  # noqa: F401
 import numpy as np
 import pandas as pd
-from bokeh.models import BasicTicker, FixedTicker, NumeralTickFormatter
+from bokeh.models import BasicTicker, ColumnDataSource, FixedTicker, NumeralTickFormatter
+from bokeh.plotting import figure as bokeh_figure
 
 from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, RunSpeedup
 
@@ -61,10 +62,11 @@ def _dims(*names: str) -> list[hv.Dimension]:
 
 
 def count_axis() -> dict[str, Any]:
-    """x-axis options for counts (steps, rounds, epochs): ticks on whole numbers only, and
-    thousands as 12,000 (bokeh's default turns them into colliding 1.000e+4 labels)."""
-    return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0),
-            "xformatter": NumeralTickFormatter(format="0,0")}
+    """x-axis options for counts (steps, rounds, epochs): ticks on whole numbers only, few of
+    them, and thousands as 1.2k (bokeh's default wrote colliding 1.000e+4 labels, and "0,0"
+    ran "1,000" and "1,200" together on a third of the page)."""
+    return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0, desired_num_ticks=5),
+            "xformatter": NumeralTickFormatter(format="0.[0]a")}
 
 
 def frames_axis() -> dict[str, Any]:
@@ -76,11 +78,14 @@ def frames_axis() -> dict[str, Any]:
 ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
 
 
-def rank_curves(prefix: str, ranks: int) -> list[tuple[str, str, dict[str, Any]]]:
-    """(column, label, style) of one thin curve per rank and a thick black mean."""
-    thin = [(f"{prefix}_r{r}", f"rank {r}", {"color": _PALETTE[r % len(_PALETTE)], "line_width": 1,
+def rank_curves(prefix: str, ranks: int, over: bool = False) -> list[tuple[str, str, dict[str, Any]]]:
+    """(column, label, style) of one thin curve per rank and a thick black mean; with `over`,
+    thick rank curves under a thin dashed mean (2 ranks are as far from their average: the
+    thick mean once hid both)."""
+    width, mean = (2.5, {"line_width": 1.5, "line_dash": "dashed"}) if over else (1, {"line_width": 2.5})
+    thin = [(f"{prefix}_r{r}", f"rank {r}", {"color": _PALETTE[r % len(_PALETTE)], "line_width": width,
                                              "alpha": 0.7}) for r in range(ranks)]
-    return [*thin, (f"{prefix}_mean", "mean", {"color": "black", "line_width": 2.5})]
+    return [*thin, (f"{prefix}_mean", "mean", {"color": "black", **mean})]
 
 
 def rank_columns(prefix: str, ranks: int) -> list[str]:
@@ -89,14 +94,15 @@ def rank_columns(prefix: str, ranks: int) -> list[str]:
 
 
 class StreamedCurves:
-    """Curves over one x column: drawn once by HoloViews, then streamed straight into bokeh.
+    """Curves over one x column: a plain bokeh figure, streamed straight into its sources.
 
     A HoloViews Buffer/DynamicMap update re-runs the callback and rebuilds, re-styles and
     re-ranges every element: with 32 ranks (33 curves) that took 1.2-1.5 s per update, and
     0.2-0.4 s even for a 2-curve plot, on this 2-core machine (benchmarks/bench_dashboard.py).
-    Here HoloViews builds the plot once; a hook keeps each curve's bokeh ColumnDataSource,
-    and `stream` appends only the new rows with bokeh's `ColumnDataSource.stream` (what a
-    HoloViews Buffer does in the end), rolling over at `maxlen` points per curve.
+    Even drawn once through HoloViews, four such plots were a second of each page load on a
+    loaded machine. So the figure is bokeh's own: one ColumnDataSource per curve, and `stream`
+    appends only the new rows (`ColumnDataSource.stream`), rolling over at `maxlen` points per
+    curve; the axes follow the data in the browser (DataRange1d).
     """
 
     def __init__(self, x: str, curves: list[tuple[str, str, dict[str, Any]]], maxlen: int,
@@ -105,33 +111,35 @@ class StreamedCurves:
         self.x, self.maxlen = x, maxlen
         self.columns = [x, *(column for column, _, _ in curves)]
         self.data = pd.DataFrame({c: [] for c in self.columns}, dtype=float)
+        # No active wheel zoom: the mouse wheel over a plot scrolls the page.
+        figure = bokeh_figure(title=title, x_axis_label=xlabel, y_axis_label=ylabel,
+                              height=PLOT_HEIGHT, sizing_mode="stretch_width",
+                              toolbar_location="above", active_drag="pan", active_scroll=None,
+                              tools="pan,box_zoom,wheel_zoom,reset,save")
         self.sources: dict[str, list] = {}
-        self.figures: list = []
-        elements = [hv.Curve(self.data, x, hv.Dimension(column, label=ylabel), label=label).opts(
-                        hooks=[self._capture], **style)
-                    for column, label, style in curves]
-        self.element = hv.Overlay(elements).opts(
-            **_plot_opts(title, xlabel, ylabel, show_legend=legend, legend_position=legend_position,
-                         **axis))
-
-    def _capture(self, plot, element) -> None:
-        column = element.vdims[0].name
-        source = plot.handles["source"]
-        if all(plot.state is not f for f in self.figures):
-            self.figures.append(plot.state)
-        # A plot rendered after data arrived (a notebook cell shown later) starts with it.
-        source.data = {self.x: self.data[self.x].to_numpy(), column: self.data[column].to_numpy()}
-        self.sources.setdefault(column, []).append(source)
+        for column, label, style in curves:
+            source = ColumnDataSource({x: np.array([], dtype=float), column: np.array([], dtype=float)})
+            line = {("line_alpha" if k == "alpha" else k): v for k, v in style.items()}
+            figure.line(x, column, source=source, **line,
+                        **({"legend_label": label} if legend else {}))
+            self.sources[column] = [source]
+        if "xticks" in axis:
+            figure.xaxis.ticker = axis["xticks"]
+        if "xformatter" in axis:
+            figure.xaxis.formatter = axis["xformatter"]
+        if legend:
+            figure.legend.location = legend_position
+            figure.legend.update(**_LEGEND)
+        self.element = figure
 
     def stream(self, rows: pd.DataFrame) -> None:
-        """Append rows (columns `self.columns`) to every rendered curve."""
+        """Append rows (columns `self.columns`) to every curve."""
         self.data = pd.concat([self.data, rows], ignore_index=True).iloc[-self.maxlen:]
         xs = rows[self.x].to_numpy()
         for column, sources in self.sources.items():
             values = rows[column].to_numpy()
             for source in sources:
                 source.stream({self.x: xs, column: values}, rollover=self.maxlen)
-        self._fit_ranges()
 
     def clear(self) -> None:
         """Empty every curve (a new run of as many ranks reuses the plots)."""
@@ -139,19 +147,6 @@ class StreamedCurves:
         for column, sources in self.sources.items():
             for source in sources:
                 source.data = {self.x: np.array([], dtype=float), column: np.array([], dtype=float)}
-
-    def _fit_ranges(self) -> None:
-        """Fit the axes to the data held (the plot's ranges were fixed when it was empty)."""
-        x = self.data[self.x].to_numpy()
-        y = self.data[self.columns[1:]].to_numpy()
-        if not np.isfinite(y).any():
-            return
-        x0, x1 = float(np.nanmin(x)), float(np.nanmax(x))
-        y0, y1 = float(np.nanmin(y)), float(np.nanmax(y))
-        pad = 0.05 * (y1 - y0) or 0.5 * abs(y1) or 1.0
-        for figure in self.figures:
-            figure.x_range.update(start=x0, end=x1 if x1 > x0 else x0 + 1)
-            figure.y_range.update(start=y0 - pad, end=y1 + pad)
 
 
 SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
@@ -332,8 +327,8 @@ def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
         + hv.Overlay(divs).opts(**_plot_opts("Divergence (mean of ranks)", x,
                                              "relative RMS distance", legend_position="top_right",
                                              **frames_axis()))
+        # The runs' own range, not 0-100: overlaid runs differ by a few points (63-67 %).
         + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy", x, "frame accuracy (%)",
-                                             legend_position="top_left", ylim=ACCURACY_RANGE,
-                                             **frames_axis()))
+                                             legend_position="top_left", **frames_axis()))
     ).opts(shared_axes=False).cols(3)
 

@@ -16,12 +16,13 @@ from labavg.jobs.index import EVENTS, RunRecord, differing_labels, list_runs, re
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
 # 1366 px without scrolling sideways; the rest of the settings follow.
+# efficiency is in % (the CSV's too), shown as "92%".
 TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
                  "efficiency", "speedup_note", "status", "cores", "speedup_range", "cv_loss",
                  "mb_sent", "payload",
                  "optimizer", "model", "wall_s", "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
 TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
-                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency %",
+                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
                 "mb_sent": "MB sent", "speedup_range": "pairs' range",
                 "speedup_note": "speedup as measured (labavg.jobs.speedup)"}
 

@@ -22,7 +22,7 @@ def _number(format: str) -> NumberFormatter:
 
 
 TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_acc_pct": "0.00",
-                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0", "wall_s": "0.0",
+                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
                  "comm_pct": "0.0", "mb_sent": "0,0.0"}
 COUNT_COLUMNS = ("ranks", "K", "minibatch", "epochs", "cores")
 NUMERIC_COLUMNS = (*TABLE_FORMATS, *COUNT_COLUMNS)
@@ -31,8 +31,8 @@ NUMERIC_COLUMNS = (*TABLE_FORMATS, *COUNT_COLUMNS)
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
 TABLE_WIDTHS = {"run": 175, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
-                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 84, "speedup_range": 120,
-                "efficiency": 122, "status": 90, "cores": 78, "speedup_note": 430}
+                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "speedup_range": 120,
+                "efficiency": 106, "status": 90, "cores": 78, "speedup_note": 430}
 # The measured speedup's one line (value, range, conditions, flag) wraps in its cell.
 WRAPPED = {"speedup_note": {"type": "textarea"}}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
@@ -45,6 +45,8 @@ def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
     for column in NUMERIC_COLUMNS:
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype(float)
+    # The rows (and the CSV) hold a percentage; the "0%" format shows a fraction as one.
+    frame["efficiency"] = frame["efficiency"] / 100
     return frame
 
 

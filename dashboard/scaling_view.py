@@ -53,7 +53,7 @@ class ScalingView(pn.viewable.Viewer):
         self.study_status = pn.pane.Markdown(
             f"**Measure speedup** trains {' and '.join(map(str, STUDY_RANKS))} MPI ranks of the "
             f"settings in the sidebar for {STUDY_EPOCHS} epoch each (a few minutes on a small "
-            "model) and plots what each measured.", margin=(0, 10))
+            "model) and plots what each measured.", margin=(0, 10), sizing_mode="stretch_width")
         self.study_plot = pn.pane.HoloViews(None, sizing_mode="stretch_width", visible=False)
         self._outcome: queue.SimpleQueue = queue.SimpleQueue()
         self._progress = ""

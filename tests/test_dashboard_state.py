@@ -338,7 +338,7 @@ def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, cor
     live.drain()
     for _ in range(5):
         plots.update()
-    hv.renderer("bokeh").get_plot(plots.panes["loss"].object)  # as a page shows it
+    plots.panes["cv"].get_root()  # as a page shows it
     [source] = plots.loss.sources["loss_r0"]
     assert len(source.data["loss_r0"]) == three.buffers.finished["step"]
     assert live.start(tiny_settings(corpus, tmp_path, ranks=3)), live.status
@@ -759,6 +759,7 @@ def test_a_reload_shows_the_runs_settings_not_the_defaults(corpus, tmp_path):
     try:
         reload = Dashboard(runs_dir=str(tmp_path / "defaults"))
         assert reload.live.run_dir == first.live.run_dir and reload.live.running
+        assert not reload.controls.stop_button.disabled and reload.controls.start_button.disabled
         shown = reload.settings
         assert (shown.ranks, shown.average_every, shown.hidden_dim, shown.lr, shown.averaging,
                 shown.momentum, shown.epochs) == (3, 5, 24, 0.004, "bmuf", 0.25, 50)
