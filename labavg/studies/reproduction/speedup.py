@@ -93,7 +93,11 @@ def speedup_section(mpi_runs: list[Run]) -> list[str]:
                   "docs/cost-model.md): rank 0 trains a few minibatches alone while the other "
                   "ranks wait idle, then all ranks train to the next averaging round; the median "
                   "of ranks x solo / parallel seconds per minibatch over the pairs, with their "
-                  "range. No speedup can exceed min(ranks, cores) here. " + " ".join(flags),
+                  "range, and the load (1-minute average) as each run started. On idle cores no "
+                  "speedup can exceed min(ranks, cores); under other work each pair measures "
+                  "what the ranks reach beside it. The wall times of different rows are not "
+                  "a speedup: each run ran at its own time, under its own load. "
+                  + " ".join(flags),
                   "", "The prediction takes this run's compute per minibatch and its measured "
                   "seconds per averaging round as the local overhead, plus the allreduce of its "
                   "parameters over 10 GbE (costmodel.predict)."]
