@@ -304,7 +304,8 @@ def test_script_rounds_on_mpich_give_the_inproc_bits(size, tmp_path):
     _same_bits_as_inproc(ranks, size)
 
 
-@pytest.mark.parametrize("size", [2, 3])
+# 3 torchrun ranks take the same path as 2 with a third process on 2 cores: slow suite.
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_script_rounds_on_torchrun_give_the_inproc_bits(size, tmp_path):
     torchrun = Path(PYTHON).parent / "torchrun"
     _launch([str(torchrun), "--nproc-per-node", str(size), "--master-addr", "127.0.0.1",
@@ -322,6 +323,7 @@ def test_script_rounds_on_torchrun_give_the_inproc_bits(size, tmp_path):
 ACCURACY_TOLERANCE = 0.02
 
 
+@pytest.mark.slow  # trains a run per payload (35 s on 2 cores under load)
 def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
     summaries, models = {}, {}
     for payload, bits in (("fp32", 8), *FORMATS):
