@@ -96,6 +96,9 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
     note = ""
     if measured is None:
         note = "Measuring: the run has not started training yet."
+    elif measured.value is None and summary:
+        note = ("Not measured: the run ended before its first pair (the pairs are spread over "
+                "the run as planned, so a run stopped early may have none).")
     elif measured.value is None:
         note = ("Measuring: rank 0 trains a few minibatches alone at a few averaging rounds "
                 "spread over the run; the first pair gives the speedup.")

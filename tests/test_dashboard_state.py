@@ -365,6 +365,8 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert live.join(60)
     run_to_end(live)
     summary = json.loads((Path(live.run_dir) / "summary.json").read_text())
+    assert summary["speedup_pairs"] == []  # stopped long before the first of its 50 epochs' pairs
+    assert live.speedup().note.startswith("Not measured: the run ended before its first pair")
     per_epoch = summary["steps"]
     assert summary["stopped"] is True
     assert live.buffers.finished["step"] < 10 * per_epoch  # 50 epochs planned
