@@ -306,6 +306,7 @@ def test_mpiexec_ranks_match_inproc_bitwise(size, tmp_path):
     np.testing.assert_array_equal(ranks[0]["mean64"], inproc[0]["mean64"])
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_torchrun_gloo_ranks_match_inproc(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     out = tmp_path / "torch"

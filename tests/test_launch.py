@@ -66,6 +66,7 @@ def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
     assert finished["stopped"] is False and finished["steps"] == 3 * per_epoch
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_torchrun_job_trains_every_rank(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "tr", backend="torch", epochs=1)
     summary = start_run(cfg).wait(180)

@@ -365,6 +365,7 @@ def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
     assert summary["bytes_per_round"] == payload_bytes(summary["num_params"], "int", 4)
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_mpi_training_with_the_payload_flags(corpus, tmp_path):
     out = tmp_path / "int4"
     proc = subprocess.run(

@@ -247,6 +247,7 @@ def test_ring_and_butterfly_train_like_allreduce_on_3_inproc_ranks(corpus, tmp_p
     assert ring["bytes_sent"] == plain["bytes_sent"]
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_mpi_training_with_the_reduce_flag(corpus, tmp_path):
     proc = subprocess.run(
         [PYTHON, "-m", "labavg", "train", "--data", str(corpus), "--ranks", "2", "--backend",

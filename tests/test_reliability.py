@@ -262,6 +262,7 @@ def test_killing_the_launcher_ends_its_ranks(corpus, tmp_path, sig):
         _clean_up(proc, list(pids.values()))
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_second_job_on_a_run_directory_is_refused(corpus, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -330,6 +331,7 @@ def _interrupted(cfg: TrainConfig, after_saves: int) -> Path:
     return run_dir
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_resume_with_other_settings_is_refused(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "cut")
     run_dir = _interrupted(cfg, 2)

@@ -112,6 +112,7 @@ def test_without_the_loopback_settings_mpich_ranks_listen_on_the_network(rank_sc
     assert any(pid in ranks and not _is_loopback(ip) for pid, _, ip, _ in found), found
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_torchrun_workers_listen_on_loopback_only_the_store_on_all(rank_script, tmp_path):
     """torchrun's TCPStore binds every interface (no flag moves it); gloo stays on 127.0.0.1."""
     with socket.socket() as probe:

@@ -63,6 +63,7 @@ def test_sweep_rejects_bad_grid(corpus, tmp_path):
     assert proc.returncode == 2 and "average_every must be positive" in proc.stderr
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_sweep_cli_with_mpi_points(corpus, tmp_path):
     spec = tmp_path / "s.toml"
     write_sweep(spec, corpus, 'backend = ["mpi"]\nranks = [2]\naverage_every = [2, 8]')
