@@ -303,11 +303,14 @@ class JobRun:
                 sys.stdout.flush()
             code = self._proc.wait()
             self._relay.join()
-            if self._interrupted is not None or code in _SIGNALLED:
-                # Ended by a signal (Ctrl-C, or the launcher alone told to stop): not a failure.
+            lost = lost_ranks(self.run_dir, self._lost_pids) or srun_lost(self._launcher_lines)
+            # Ended by a signal (Ctrl-C, or the launcher alone told to stop): not a failure. srun
+            # also ends with 143 when it has killed the rest of a step after a rank was lost:
+            # then the lost rank is the news.
+            if self._interrupted is not None or (
+                    code in _SIGNALLED and not (lost or self._rank_said or self._errors)):
                 self._say_interrupted(self._interrupted or _SIGNALLED[code])
                 return
-            lost = lost_ranks(self.run_dir, self._lost_pids) or srun_lost(self._launcher_lines)
             if code == 0 or not (lost or self._rank_said or self._errors):
                 sys.stderr.writelines(self._launcher_lines)
             if code != 0 and self._errors:

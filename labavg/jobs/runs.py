@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from labavg.base.errors import user_error_of
 from labavg.base.checkpoint import atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
@@ -124,6 +125,9 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                                        {"start": load_start, "end": os.getloadavg()[0]})
                 summary["resumed"] = resume
                 atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    except Exception as exc:
+        _throw_into(events, exc)
+        raise
     finally:
         # Ended early (a full disk met writing the log): the trainer's own cleanup (its data
         # threads, its communicator) runs now, not during interpreter shutdown, where it ended
@@ -143,6 +147,22 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
         summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _throw_into(events: Iterator[Event], exc: Exception) -> None:
+    """Hand the trainer an error met consuming its events (a full disk writing the log): a rank
+    of several then ends the whole job as for an error of its own (MPI_Abort), instead of
+    closing quietly while the other ranks wait in their next collective until the watchdog."""
+    throw = getattr(events, "throw", None)
+    if throw is None:
+        return
+    try:
+        throw(exc)
+    except StopIteration:
+        pass
+    except Exception as again:  # noqa: BLE001 - the trainer re-raised it (one rank, or inproc)
+        if again is not exc and user_error_of(again) is None:
+            raise
 
 
 def _pairs_logged(run_dir: Path) -> list[tuple[float, float]]:
