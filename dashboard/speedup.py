@@ -12,11 +12,11 @@ shares the cores).
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 from typing import Any
 
 from dashboard.buffers import RunBuffers
+from labavg.base.machine import usable_cores
 from labavg.base.errors import UserError
 from labavg.jobs.index import effective_k
 from labavg.jobs.speedup import Speedup, speedup_from_events, speedup_from_summary
@@ -40,10 +40,7 @@ class RunSpeedup:
 
 def machine_cores() -> int:
     """The cores this server's runs can use (what bounds a speedup measured here)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 def shown_text(speedup: Speedup) -> str:

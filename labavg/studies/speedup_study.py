@@ -7,7 +7,6 @@ through labavg.jobs.launch.start_run (MPI processes), never threads of the calle
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError
+from labavg.base.machine import usable_cores
 from labavg.base.settings import with_overrides
 from labavg.jobs.speedup import Speedup, measured_speedup, speedup_from_summary
 from labavg.studies import costmodel
@@ -43,8 +43,7 @@ def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (
     from labavg.jobs.launch import start_run
 
     out = Path(out)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    results = [measured_speedup([], 1, cores or 0)]
+    results = [measured_speedup([], 1, usable_cores())]
     for n in ranks:
         if n < 2:
             raise UserError(f"measure_speedup: ranks must be 2 or more, got {n}")
@@ -71,13 +70,13 @@ def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (
 def scaling_points(speedups: Sequence[Speedup], run_dirs: Sequence[Path] = ()) -> list[ScalingPoint]:
     """Plot points for `speedups` (measure_speedup's), each with the cores' bound and the cost
     model's prediction taken from the first of `run_dirs` that holds a finished run."""
-    costs = None
-    for run_dir in run_dirs:
+    costs, k = None, None
+    for run_dir in run_dirs:  # the first finished multi-rank run: its costs and its K
         summary = _finished(Path(run_dir))
         if summary is not None and summary.get("ranks", 1) > 1:
             costs = costmodel.from_summary(summary)
+            k = summary["average_every"] if isinstance(summary.get("average_every"), int) else None
             break
-    k = None if costs is None else _k_of(run_dirs)
     points = []
     for s in speedups:
         predicted = None
@@ -85,14 +84,6 @@ def scaling_points(speedups: Sequence[Speedup], run_dirs: Sequence[Path] = ()) -
             predicted = costmodel.predict(costs, [s.ranks], Ks=[k or 10])[0].speedup
         points.append(ScalingPoint(s.ranks, s, s.bound, predicted))
     return points
-
-
-def _k_of(run_dirs: Sequence[Path]) -> int | None:
-    for run_dir in run_dirs:
-        summary = _finished(Path(run_dir))
-        if summary is not None and isinstance(summary.get("average_every"), int):
-            return summary["average_every"]
-    return None
 
 
 def _finished(run_dir: Path) -> dict[str, Any] | None:

@@ -14,7 +14,6 @@ same frames.
 from __future__ import annotations
 
 import copy
-import os
 import socket
 import time
 import zlib
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from labavg.base.events import Event, SpeedupPair
+from labavg.base.machine import usable_cores
 from labavg.comm.base import Communicator
 from labavg.training.step import train_step
 
@@ -72,7 +72,7 @@ def run_cores(comm: Communicator) -> int:
 
     Collective: every rank calls it (ranks on one host share its cores).
     """
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    mine = usable_cores()
     if comm.size == 1:
         return mine
     host = zlib.crc32(socket.gethostname().encode())  # exact in a float64
