@@ -24,6 +24,20 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from labavg.data.prepare import prepare_corpus
+
+    done = prepare_corpus(args.audio_dir, args.out_dir, text=args.text, lexicon=args.lexicon,
+                          speaker=args.speaker, overwrite=args.overwrite,
+                          progress=not args.no_progress)
+    left = len(done.unknown_words) + len(done.failed)
+    print(f"wrote {done.out_dir}: {done.num_utts} utterances, {done.hours * 60:.1f} min, "
+          f"{done.num_frames:,} frames ({done.seconds_taken:.0f} s)"
+          + (f"; left out {len(done.unknown_words)} with words outside the dictionary and "
+             f"{len(done.failed)} not aligned (left_out.txt)" if left else ""))
+    return 0
+
+
 def _dest(flag) -> str:
     return "setting:" + flag.key
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from labavg.cli.commands import (_dest, cmd_synth, cmd_train, cmd_dashboard, cmd_reproduce, cmd_sweep, cmd_decode, cmd_compare, cmd_info)
+from labavg.cli.commands import (_dest, cmd_prepare, cmd_synth, cmd_train, cmd_dashboard, cmd_reproduce, cmd_sweep, cmd_decode, cmd_compare, cmd_info)
 
 
 def _default_of(flag: Any) -> Any:
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_corpus_parser(sub) -> None:
-    corpus = sub.add_parser("corpus", help="built-in synthetic speech corpus")
+    corpus = sub.add_parser("corpus", help="the built-in synthetic corpus, or real recordings prepared")
     corpus_sub = corpus.add_subparsers(dest="corpus_command", required=True)
     synth = corpus_sub.add_parser(
         "synth", help="write a synthetic Kaldi data directory",
@@ -93,6 +93,23 @@ def _add_corpus_parser(sub) -> None:
     synth.add_argument("--test-hours", type=float, default=0.5,
                        help="held-out test set OUT_DIR/test, other speakers (default 0.5; 0: none)")
     synth.set_defaults(func=cmd_synth)
+    prepare = corpus_sub.add_parser(
+        "prepare", help="make a Kaldi data directory of real recordings and their transcripts",
+        description="Align each recording to its transcript with pocketsphinx (US-English model, "
+        "CMUdict) and write a complete Kaldi data directory as the built-in corpus has: features, "
+        "CMVN, per-frame pdfs, phones.ctm, lexicon. Utterances with words outside the dictionary "
+        "or that fail to align are left out and listed (OUT_DIR/left_out.txt). An interrupted "
+        "run resumes from OUT_DIR.partial.")
+    prepare.add_argument("audio_dir", help="folder of .wav or .flac recordings (mono, 8 kHz or more)")
+    prepare.add_argument("out_dir", help="directory to create")
+    prepare.add_argument("--text", required=True, help="transcripts: Kaldi text lines "
+                         "(`name word ...`) or `name: word ...` lines; names are the files' stems")
+    prepare.add_argument("--lexicon", help="extra pronunciations (`word PHONE ...`, ARPAbet) for "
+                         "words CMUdict lacks")
+    prepare.add_argument("--speaker", help="one speaker for every utterance (default: each its own)")
+    prepare.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prepare.set_defaults(func=cmd_prepare)
 
 
 def _add_sweep_and_dashboard_parsers(sub) -> None:
