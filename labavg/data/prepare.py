@@ -137,12 +137,19 @@ def find_recordings(audio_dir: Path, transcripts: dict[str, tuple[str, ...]], te
     return recordings
 
 
+def load_recording(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """A recording's samples (int16 values, as Kaldi reads wav) and its sample rate."""
+    import soundfile
+
+    samples, rate = soundfile.read(str(path), dtype="int16")
+    return samples, int(rate)
+
+
 def _audio(rec: Recording, rate: int) -> np.ndarray:
     """The recording as int16-valued samples at `rate`."""
-    import soundfile
     import soxr
 
-    samples, _ = soundfile.read(str(rec.path), dtype="int16")
+    samples, _ = load_recording(rec.path)
     if rate != rec.rate:
         samples = np.clip(soxr.resample(samples.astype(np.float32), rec.rate, rate), -32768, 32767)
     return np.asarray(samples)
