@@ -37,11 +37,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def real_folder(tmp_path_factory) -> Path:
-    """The real utterance as `real.wav` and a copy `oov.wav` whose transcript has an unknown word."""
+    """The real utterance as `real.flac` and a copy `oov.wav` whose transcript has an unknown word."""
     root = tmp_path_factory.mktemp("real")
     (root / "audio").mkdir()
-    for name in ("real", "oov"):
-        (root / "audio" / f"{name}.wav").write_bytes(WAV.read_bytes())
+    samples, rate = soundfile.read(str(WAV), dtype="int16")
+    soundfile.write(str(root / "audio" / "real.flac"), samples, rate)
+    (root / "audio" / "oov.wav").write_bytes(WAV.read_bytes())
     words = " ".join(_words())
     (root / "text").write_text(f"real: {words}\noov: {words} zzqxv\n")
     (root / "extra.txt").write_text(EXTRA)
@@ -77,6 +78,7 @@ def test_prepare_writes_a_data_dir_that_training_reads_and_leaves_unknown_words_
     assert len(pdfs["real"]) == 2670 and pdfs["real"].max() < 120
     assert (out / "num_pdfs").read_text().strip() == "120"
     assert (out / "utt2spk").read_text() == "real reader\n"
+    assert (out / "wav.scp").read_text() == f"real flac -c -d -s {(real_folder / 'audio' / 'real.flac').resolve()} |\n"
     ctm = (out / "phones.ctm").read_text().splitlines()
     assert ctm[1].split()[:2] == ["real", "1"] and ctm[1].split()[4] == "DH"  # "this"
     lexicon = dict(line.split(" ", 1) for line in (out / "lexicon.txt").read_text().splitlines())

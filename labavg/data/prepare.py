@@ -207,7 +207,9 @@ def _write_kaldi_dir(build: Path, final: Path, kept: list[Recording], cache: Pat
         scp = build / f"{name}.scp"
         _write_lines(scp, [line.replace(str(build / f"{name}.ark"), str(final / f"{name}.ark"))
                            for line in scp.read_text(encoding="utf-8").splitlines()])
-    _write_lines(build / "wav.scp", [f"{r.utt} {r.path}" for r in kept])
+    # Kaldi reads wav files itself and other formats from a pipe (LibriSpeech's data prep).
+    _write_lines(build / "wav.scp", [f"{r.utt} {r.path}" if r.path.suffix.lower() == ".wav"
+                                     else f"{r.utt} flac -c -d -s {r.path} |" for r in kept])
     _write_lines(build / "text", [f"{r.utt} {' '.join(r.words)}" for r in kept])
     _write_lines(build / "utt2spk", [f"{r.utt} {spk[r.utt]}" for r in kept])
     _write_lines(build / "spk2utt", [f"{s} {' '.join(u for u in sorted(spk) if spk[u] == s)}"
