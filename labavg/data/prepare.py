@@ -25,6 +25,7 @@ import numpy as np
 from labavg.base.errors import UserError
 from labavg.data.forced_align import (PHONES, STATES_PER_PHONE, AlignmentFailed, Aligner,
                                       ctm_lines, frame_pdfs)
+from labavg.data.synth import check_out_dir
 from labavg.data.synth_signal import FEAT_DIM, compute_fbank
 
 AUDIO_SUFFIXES = (".wav", ".flac")
@@ -225,14 +226,6 @@ def _write_kaldi_dir(build: Path, final: Path, kept: list[Recording], cache: Pat
     return sum(frames.values())
 
 
-def _check_out(final: Path, overwrite: bool) -> None:
-    if final.exists() and not final.is_dir():
-        raise UserError(f"corpus output {final} exists and is not a directory")
-    if final.is_dir() and any(final.iterdir()) and not overwrite:
-        raise UserError(f"corpus output directory {final} exists and is not empty "
-                        "(pass --overwrite to replace it)")
-
-
 def prepare_corpus(audio_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                    text: str | os.PathLike, lexicon: str | os.PathLike | None = None,
                    speaker: str | None = None, overwrite: bool = False,
@@ -249,7 +242,7 @@ def prepare_corpus(audio_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
     began = time.perf_counter()
     final, audio_dir, text = Path(out_dir).resolve(), Path(audio_dir), Path(text)
-    _check_out(final, overwrite)
+    check_out_dir(final, overwrite)
     recordings = find_recordings(audio_dir, read_transcripts(text), text)
     extra = read_lexicon_file(lexicon) if lexicon is not None else {}
     aligner = Aligner(extra)

@@ -48,7 +48,8 @@ class CorpusInfo:
     seconds_taken: float
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """UserError unless `out_dir` is absent, empty, or to be replaced (`overwrite`)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"corpus output {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -160,7 +161,7 @@ def synthesize(out_dir: str | os.PathLike, *, hours: float = 1.0, seed: int = 0,
     if not heldout_accent_sigma >= 0:
         raise UserError(f"heldout_accent_sigma must be non-negative, got {heldout_accent_sigma!r}")
     final = Path(out_dir).resolve()
-    _check_out_dir(final, overwrite)
+    check_out_dir(final, overwrite)
     if num_speakers is None:
         num_speakers = max(2, int(round(40 * hours)))
 
