@@ -40,6 +40,7 @@ def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
                 sent.add(stats.bytes_sent)
             return statistics.median(seconds), sorted(sent)
 
+        # One round's cost alone, not a run's: ranks of a bare averager, not start_run.
         results = run_inproc(size, work)
         out[name] = {"median_round_seconds": max(r[0] for r in results),
                      "bytes_sent": results[0][1]}
@@ -58,18 +59,17 @@ RUNS = [
 
 
 def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
-    from labavg.training.config import TrainConfig, validate
+    from labavg.training.config import TrainConfig
     from labavg.base.settings import with_overrides
-    from labavg.jobs.runs import run_training
+    from labavg.jobs.launch import start_run
 
     base = {"data.data": data, "ranks": 4, "average_every": 10, "epochs": 2, "seed": seed,
             "model.hidden_layers": 2, "model.hidden_dim": 128, "tensorboard": False}
     rows = []
     for name, extra in RUNS:
-        cfg = validate(with_overrides(TrainConfig(), {**base, **extra,
-                                                      "out": str(out_root / name)}))
+        cfg = with_overrides(TrainConfig(), {**base, **extra, "out": str(out_root / name)})
         start = time.perf_counter()
-        summary = run_training(cfg, progress=False)
+        summary = start_run(cfg).wait()
         rows.append({"run": name, "seed": seed, "cv_frame_accuracy": summary["cv_frame_accuracy"],
                      "cv_loss": summary["cv_loss"], "rounds": summary["averaging_rounds"],
                      "bytes_per_round": summary["bytes_per_round"],

@@ -29,7 +29,6 @@ whatever else the machine was doing (the load average is recorded).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics

@@ -62,6 +62,7 @@ def step_ratios(minibatch: int, num_pdfs: int, rounds: int = 7, steps: int = 10,
 
     def run_ours():
         for _ in range(steps):
+            # The pure step alone, against a plain loop: no run is started (runs use start_run).
             train_step(ours, opt, x, y, 1e-4)
 
     def run_plain():

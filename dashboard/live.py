@@ -11,7 +11,6 @@ the UI thread drains what the worker queued in a periodic callback (`LiveRun.dra
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import queue
 import threading
@@ -24,10 +23,11 @@ import param
 from dashboard.buffers import POINTS_PER_CURVE, RunBuffers
 from dashboard.settings import RunSettings, new_run_dir
 from dashboard.speedup import RunSpeedup, live_speedup
-from labavg.training.config import TrainConfig
+from labavg.training.config import TrainConfig, config_from_dict
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
+from labavg.jobs.run_json import read_run_config, read_run_summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ class LiveRun(param.Parameterized):
             self.attach()
             return False
         try:
-            problem = settings.check()
+            problem = settings.first_error()
             if problem is not None:
                 raise UserError(problem)
             runs_dir = Path(settings.runs_dir).expanduser()
@@ -117,9 +117,9 @@ class LiveRun(param.Parameterized):
                 raise UserError(f"runs directory {settings.runs_dir!r} cannot be created: "
                                 f"{exc.strerror}") from None
             # The name shows the K the run trains with (average_every_frames may set it).
-            k = settings.to_config(runs_dir / "check").averaging_interval()
-            out = new_run_dir(runs_dir, settings.ranks, k)
-            cfg = settings.to_config(out)
+            cfg = settings.build(runs_dir / "check")
+            out = new_run_dir(runs_dir, settings.ranks, cfg.averaging_interval())
+            cfg = dataclasses.replace(cfg, out=str(out))
         except UserError as exc:
             self.error = str(exc)
             self.status = f"Cannot start: {exc}"
@@ -150,7 +150,8 @@ class LiveRun(param.Parameterized):
 
     def speedup(self) -> RunSpeedup:
         """The run on screen's measured speedup (labavg.jobs.speedup) and the cost model's."""
-        return live_speedup(self.buffers, self.config, self._summary)
+        config = config_from_dict(self.config, f"{self.run_dir}: config") if self.config else None
+        return live_speedup(self.buffers, config, self._summary)
 
     def stop(self) -> None:
         """Ask the run to stop at its next averaging round (all ranks stop together)."""
@@ -247,7 +248,8 @@ class LiveRun(param.Parameterized):
         config = dict(job.config) if job is not None else {}
         self.own = False
         self._job = job
-        self._reset(int(config.get("ranks", 1)), config, str(run_dir), "monitor")
+        ranks = config_from_dict(config, f"{run_dir}: config").ranks if config else 1
+        self._reset(ranks, config, str(run_dir), "monitor")
         self._tail = EventTail(run_dir / EVENTS)
         ended = job is not None and (run_dir / SUMMARY).is_file()
         # An ended run is read in, not followed: Start stays on and Stop off meanwhile.
@@ -264,11 +266,11 @@ class LiveRun(param.Parameterized):
         run_dir = Path(self.run_dir)
         if not self.config:
             try:
-                config = json.loads((run_dir / CONFIG).read_text())
-            except (OSError, json.JSONDecodeError):
+                cfg = read_run_config(run_dir / CONFIG)
+            except (OSError, UserError):
                 return  # rank 0 writes config.json with its first event; keep waiting
-            self.buffers = RunBuffers(int(config.get("ranks", 1)), self.maxlen)
-            self.config = config
+            self.buffers = RunBuffers(cfg.ranks, self.maxlen)
+            self.config = to_dict(cfg)
             self.generation += 1
             self.status = f"Following {run_dir}…"
         for event in self._tail.read(_TAIL_BYTES):
@@ -277,8 +279,8 @@ class LiveRun(param.Parameterized):
             self.running = False
             self.mode = "idle"
             try:
-                self._summary = json.loads((run_dir / SUMMARY).read_text())
-            except (OSError, json.JSONDecodeError):
+                self._summary = read_run_summary(run_dir / SUMMARY).to_dict()
+            except (OSError, UserError):
                 pass
             self.status = _ended_text(run_dir, self.buffers.finished, False)
 

@@ -16,6 +16,8 @@ from dashboard.buffers import POINTS_PER_CURVE
 from dashboard.live import LiveRun
 from dashboard.plots import (
     ACCURACY_RANGE,
+    FLEX_ITEM,
+    MIN_PLOT_WIDTH,
     PLOT_HEIGHT,
     SpeedupPlot,
     StreamedCurves,
@@ -67,7 +69,8 @@ class LivePlots(pn.viewable.Viewer):
         self.cores = machine_cores()
         names = ("loss", "divergence", "speedup", "times", "fps", "cv")
         self.panes = {name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
-                                              linked_axes=False)
+                                              linked_axes=False, min_width=MIN_PLOT_WIDTH,
+                                              styles=dict(FLEX_ITEM))
                       if name in ("speedup", "cv") else
                       pn.pane.Bokeh(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10)
                       for name in names}
@@ -160,14 +163,13 @@ class LivePlots(pn.viewable.Viewer):
             self.panes[name].object = plot if name == "cv" else plot.element
 
     def __panel__(self) -> pn.Column:
-        """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy."""
+        """The speedup line; loss, divergence and speedup; compute vs comm, frames/s, accuracy
+        (three to a row where they fit, wrapping where they do not)."""
         p = self.panes
-        return pn.Column(
-            self.speedup_line,
-            pn.Row(p["loss"], p["divergence"], p["speedup"], sizing_mode="stretch_width"),
-            pn.Row(p["times"], p["fps"], p["cv"], sizing_mode="stretch_width"),
-            sizing_mode="stretch_width",
-        )
+        plots = (p["loss"], p["divergence"], p["speedup"], p["times"], p["fps"], p["cv"])
+        return pn.Column(self.speedup_line,
+                         pn.FlexBox(*plots, flex_wrap="wrap", sizing_mode="stretch_width"),
+                         sizing_mode="stretch_width")
 
     def _show_speedup(self) -> None:
         if not self.live.config:

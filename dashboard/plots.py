@@ -1,11 +1,11 @@
 """The dashboard's HoloViews plots: streamed live curves, the speedup plot, and the plots of
-past runs (scaling, communication, overlay).
+past runs (scaling, communication; the overlay is dashboard.overlay).
 
 Live curves are HoloViews (bokeh) plots built once and then streamed: each update appends only
 the new rows to bokeh's ColumnDataSources (`ColumnDataSource.stream`, rolling over at
 `POINTS_PER_CURVE` points per curve), so old points are never re-sent or re-rendered. One row
 carries every rank's value at a step (or averaging round), so 32 ranks cost one append, not 32.
-The runs overlay and scaling plots are redrawn when the runs table changes."""
+The scaling and communication plots are redrawn when the runs table changes."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ from bokeh.plotting import figure as bokeh_figure
 from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, RunSpeedup
 
 PLOT_HEIGHT = 215
+# Each plot at least this wide (px), in rows that wrap: narrower (the inline dashboard beside
+# JupyterLab's file browser) three plots to a row cut their titles and axis labels.
+MIN_PLOT_WIDTH = 280
+FLEX_ITEM = {"flex": f"1 1 {MIN_PLOT_WIDTH}px"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
             "#7f7f7f", "#bcbd22", "#17becf")
 
@@ -46,7 +50,12 @@ def _plot_opts(title: str, xlabel: str, ylabel: str, **extra: Any) -> dict[str, 
     # the toolbar, one click away).
     return dict(title=title, xlabel=xlabel, ylabel=ylabel, responsive=True, height=PLOT_HEIGHT,
                 show_grid=True, toolbar="above", legend_opts=_LEGEND, active_tools=["pan"],
-                **{"framewise": False, **extra})
+                hooks=[_autohide_toolbar], **{"framewise": False, **extra})
+
+
+def _autohide_toolbar(plot, element) -> None:
+    # Shown while the mouse is over the plot: at MIN_PLOT_WIDTH its icons covered the title.
+    plot.state.toolbar.autohide = True
 
 
 # What hover tooltips call the columns (not their names in the data, like mb_sent).
@@ -67,12 +76,6 @@ def count_axis() -> dict[str, Any]:
     ran "1,000" and "1,200" together on a third of the page)."""
     return {"xticks": BasicTicker(min_interval=1, num_minor_ticks=0, desired_num_ticks=5),
             "xformatter": NumeralTickFormatter(format="0.[0]a")}
-
-
-def frames_axis() -> dict[str, Any]:
-    """x-axis options for frame counts: 500k, 1.2m, from 0 (one CV point alone would get a
-    range of a few frames, ticked 6.1k 6.1k 6.1k)."""
-    return {"xformatter": NumeralTickFormatter(format="0.[0]a"), "xlim": (0, None)}
 
 
 ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
@@ -115,7 +118,9 @@ class StreamedCurves:
         figure = bokeh_figure(title=title, x_axis_label=xlabel, y_axis_label=ylabel,
                               height=PLOT_HEIGHT, sizing_mode="stretch_width",
                               toolbar_location="above", active_drag="pan", active_scroll=None,
-                              tools="pan,box_zoom,wheel_zoom,reset,save")
+                              tools="pan,box_zoom,wheel_zoom,reset,save",
+                              min_width=MIN_PLOT_WIDTH, styles=dict(FLEX_ITEM))
+        figure.toolbar.autohide = True  # its icons covered the title at MIN_PLOT_WIDTH
         self.sources: dict[str, list] = {}
         for column, label, style in curves:
             source = ColumnDataSource({x: np.array([], dtype=float), column: np.array([], dtype=float)})
@@ -302,33 +307,3 @@ def communication_plot(points: list[dict[str, Any]],
         + hv.Overlay(wer).opts(**_plot_opts(wer_title, x, "WER (%)",
                                             logx=True, legend_position="right", **ticks))
     ).opts(shared_axes=False)
-
-
-def overlay_plot(curves: dict[str, dict[str, Any]]) -> hv.Layout:
-    """Mean training loss, divergence and CV accuracy of the selected runs, by frames trained;
-    each run's legend names what sets it apart from the others (`RunTable.overlay`)."""
-    losses, divs, accs = [], [], []
-    for i, (name, c) in enumerate(curves.items()):
-        color = _PALETTE[i % len(_PALETTE)]
-        label = c.get("label", name)
-        losses.append(hv.Curve((c["frames"], c["loss"]), "frames", "loss", label=label).opts(color=color))
-        divs.append(hv.Curve((c["div_frames"], c["divergence"]), "frames", "divergence",
-                             label=label).opts(color=color))
-        accs.append(hv.Curve((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc", label=label).opts(color=color)
-                    * hv.Scatter((c["cv_frames"], c["cv_acc_pct"]), "frames", "cv_acc").opts(color=color, size=6))
-    if not losses:
-        losses = [hv.Curve([], "frames", "loss")]
-        divs = [hv.Curve([], "frames", "divergence")]
-        accs = [hv.Curve([], "frames", "cv_acc")]
-    x = "frames trained (all ranks)"
-    return (
-        hv.Overlay(losses).opts(**_plot_opts("Mean training loss", x, "loss (nats/frame)",
-                                             legend_position="top_right", **frames_axis()))
-        + hv.Overlay(divs).opts(**_plot_opts("Divergence (mean of ranks)", x,
-                                             "relative RMS distance", legend_position="top_right",
-                                             **frames_axis()))
-        # The runs' own range, not 0-100: overlaid runs differ by a few points (63-67 %).
-        + hv.Overlay(accs).opts(**_plot_opts("CV frame accuracy", x, "frame accuracy (%)",
-                                             legend_position="top_left", **frames_axis()))
-    ).opts(shared_axes=False).cols(3)
-

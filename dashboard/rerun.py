@@ -18,11 +18,12 @@ import pandas as pd
 import panel as pn
 
 from dashboard.plots import load_backend
-from labavg.training.config import TrainConfig, check_setting, validate
+from labavg.training.config import TrainConfig, check_setting
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.summary import format_table
 from labavg.jobs.index import read_events
+from labavg.jobs.run_json import as_summary
 from labavg.jobs.launch import start_run
 
 # What a refusal calls each box: its label's words, not the setting's key.
@@ -88,9 +89,9 @@ class RerunControl(pn.viewable.Viewer):
 
     def add(self, run_dir: str | Path, summary: dict[str, Any], label: str | None = None) -> None:
         """Show a run made elsewhere (e.g. the notebook's first run) for comparison."""
-        config = summary.get("config", {})
-        label = label or f"K={config.get('average_every', summary.get('average_every'))}, " \
-                         f"lr {config.get('lr', summary.get('lr')):g}"
+        typed = as_summary(summary)
+        lr = typed.config.lr if typed.config is not None else typed.lr
+        label = label or f"K={typed.average_every}, lr {lr:g}"
         self.runs.append((label, {**summary, "run": label, "run_dir": str(run_dir)}))
         self._refresh()
 
@@ -106,7 +107,7 @@ class RerunControl(pn.viewable.Viewer):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg = with_overrides(self.base, {"average_every": self.k.value, "lr": self.lr.value})
         out = self.runs_dir / f"rerun-k{cfg.average_every}-lr{cfg.lr:g}-{stamp}"
-        cfg = validate(with_overrides(cfg, {"out": str(out.resolve())}))
+        cfg = with_overrides(cfg, {"out": str(out.resolve())})  # start_run validates it
         self.button.disabled = True
         self.status.object = f"training {run_label(cfg)} on {cfg.ranks} {cfg.backend} ranks ..."
         try:
@@ -116,8 +117,9 @@ class RerunControl(pn.viewable.Viewer):
             raise
         finally:
             self._check()
+        done = as_summary(summary)
         self.status.object = (f"{run_label(cfg)}: CV frame accuracy "
-                              f"{100 * summary['cv_frame_accuracy']:.2f} % in {summary['wall_seconds']:.0f} s")
+                              f"{100 * done.cv_frame_accuracy:.2f} % in {done.wall_seconds:.0f} s")
         self.add(out, summary, run_label(cfg))
         return summary
 

@@ -10,55 +10,29 @@ from typing import Any
 import numpy as np
 import param
 
-from dashboard.speedup import (PREDICTED_RANKS, prediction, scaling_point, summary_costs,
-                               table_cells)
-from labavg.jobs.index import EVENTS, RunRecord, differing_labels, list_runs, read_events, run_row
+from dashboard.speedup import (PREDICTED_RANKS, prediction, scaling_point, speedup_note,
+                               summary_costs)
+from labavg.jobs.columns import columns, csv_row
+from labavg.base.events import Averaged, EpochDone, MinibatchDone
+from labavg.jobs.index import EVENTS, differing_labels, list_runs, read_run_events, run_row
+from labavg.jobs.run_json import RunSummary
+from labavg.training.config import TrainConfig
 
 # Results come right after what the runs vary (ranks, K, lr), so that they are on screen at
-# 1366 px without scrolling sideways; the rest of the settings follow.
-# efficiency is in % (the CSV's too), shown as "92%".
-TABLE_COLUMNS = ("run", "ranks", "K", "method", "lr", "wer_pct", "per_pct", "cv_acc_pct", "speedup",
-                 "efficiency", "speedup_note", "status", "cores", "speedup_range", "cv_loss",
-                 "mb_sent", "payload",
-                 "optimizer", "model", "wall_s", "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
-TABLE_TITLES = {"wer_pct": "WER %", "per_pct": "PER %", "cv_acc_pct": "CV acc %", "cv_loss": "CV loss",
-                "wall_s": "wall s", "comm_pct": "comm %", "efficiency": "efficiency",
-                "mb_sent": "MB sent", "speedup_range": "pairs' range",
-                "speedup_note": "speedup as measured (labavg.jobs.speedup)"}
+# 1366 px without scrolling sideways; the rest of the settings follow. Titles, units and
+# digits are labavg.jobs.columns'; the rows and the CSV hold each value in its column's unit
+# (efficiency in %, as the table shows it).
+TABLE_COLUMNS = ("run", "ranks", "average_every", "averaging", "lr", "wer", "per", "cv_acc_pct",
+                 "speedup", "efficiency_pct", "speedup_note", "status", "cores", "speedup_range",
+                 "cv_loss", "mb_sent", "payload", "optimizer", "model", "wall_seconds",
+                 "comm_pct", "reduce", "backend", "schedule", "pretrain", "minibatch", "epochs")
+TABLE_TITLES = {c.key: c.title for c in columns(TABLE_COLUMNS)}
 
 
-def _table_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The dashboard's columns of a `labavg.jobs.index.run_row`: percentages, short names."""
-
-    def pct(value):
-        return None if value is None else round(100 * value, 2)
-
-    return {
-        "run": row["run"], "status": row["status"], "backend": row["backend"],
-        "ranks": row["ranks"], "K": row["average_every"], "method": row["averaging"],
-        "reduce": row["reduce"], "payload": row["payload"], "optimizer": row["optimizer"],
-        "lr": row["lr"], "schedule": row["schedule"], "pretrain": row["pretrain"],
-        "minibatch": row["minibatch"], "epochs": row["epochs"], "model": row["model"],
-        "wer_pct": row["wer"], "per_pct": row["per"],
-        "cv_acc_pct": pct(row["cv_frame_accuracy"]), "cv_loss": row["cv_loss"],
-        "wall_s": row["wall_seconds"], "comm_pct": pct(row["comm_fraction"]),
-        # Per rank, all rounds (what one rank sent; labavg.averaging.mean's bytes_sent).
-        "mb_sent": None if row["bytes_sent"] is None else row["bytes_sent"] / 1e6,
-        "speedup": None, "speedup_range": None, "efficiency": None, "cores": None,
-        "speedup_note": None,
-    }
-
-
-def fill_speedups(rows: list[dict[str, Any]], records: list[RunRecord]) -> None:
-    """Each ended run's speedup columns, `dashboard.speedup.table_cells`'s: labavg.jobs.speedup
-    reads its summary, as the Live tab reads its events (the same number and interval)."""
-    for row, record in zip(rows, records):
-        row.update(table_cells(record.summary))
-
-
-def _csv_value(value: Any) -> Any:
-    # Six significant digits: a measured time or rate has no more (float repr wrote 17).
-    return float(f"{value:.6g}") if isinstance(value, float) else value
+def table_row(row: dict[str, Any], summary: RunSummary | None) -> dict[str, Any]:
+    """The dashboard's columns of a `labavg.jobs.index.run_row`, with the measured speedup's
+    line as every screen writes it (`dashboard.speedup.shown_text`)."""
+    return csv_row(TABLE_COLUMNS, {**row, "speedup_note": speedup_note(summary)})
 
 
 class RunTable(param.Parameterized):
@@ -70,22 +44,21 @@ class RunTable(param.Parameterized):
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
-        self._configs: dict[str, dict[str, Any]] = {}
+        self._configs: dict[str, TrainConfig] = {}
         self._points: list[dict[str, Any]] = []
         self._predicted: list[tuple[int, float]] = []
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
         records = list_runs(Path(self.runs_dir))
-        rows = [_table_row(run_row(r.name, r.config, r.summary)) for r in records]
-        fill_speedups(rows, records)
+        rows = [table_row(run_row(r.name, r.config, r.summary), r.summary) for r in records]
         self._points, newest = [], None
         for record, row in zip(records, rows):
-            point = (scaling_point(record.name, row["K"], record.summary)
+            point = (scaling_point(record.name, row["average_every"], record.summary)
                      if row["status"] == "finished" else None)
             if point is not None:
                 self._points.append(point)
-                newest = (record.summary, row["K"])
+                newest = (record.summary, row["average_every"])
         # The newest measured run's own costs are what the cost model scales up, to every
         # number of ranks measured (an oversubscribed run's N machines among them).
         ranks = (*PREDICTED_RANKS, *(p["ranks"] for p in self._points))
@@ -96,8 +69,8 @@ class RunTable(param.Parameterized):
         self.rows = rows
         return rows
 
-    def config_of(self, name: str) -> dict[str, Any]:
-        """The config dict of run `name`."""
+    def config_of(self, name: str) -> TrainConfig:
+        """The settings of run `name`."""
         return self._configs[name]
 
     def to_csv(self) -> str:
@@ -105,7 +78,7 @@ class RunTable(param.Parameterized):
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=list(TABLE_COLUMNS), lineterminator="\n")
         writer.writeheader()
-        writer.writerows({k: _csv_value(v) for k, v in row.items()} for row in self.rows)
+        writer.writerows(self.rows)
         return out.getvalue()
 
     def overlay(self) -> dict[str, dict[str, Any]]:
@@ -121,20 +94,19 @@ class RunTable(param.Parameterized):
         labels = differing_labels({name: self._configs[name] for name in selected})
         curves = {}
         for name in selected:
-            config = self._configs[name]
-            scale = config.get("minibatch", 1) * config.get("ranks", 1)
+            cfg = self._configs[name]
+            scale = cfg.minibatch * cfg.ranks
             sums: dict[int, list[float]] = {}
             divs: dict[int, list[float]] = {}
             cv_x, cv_y = [], []
-            for event in read_events(root / name) if (root / name / EVENTS).is_file() else []:
-                kind = event.get("type")
-                if kind == "minibatch":
-                    sums.setdefault(event["step"], []).append(event["loss"])
-                elif kind == "average":
-                    divs.setdefault(event["step"], []).append(event["divergence"])
-                elif kind == "epoch" and event.get("rank") == 0:
-                    cv_x.append(event["step"] * scale)
-                    cv_y.append(100 * event["cv_frame_accuracy"])
+            for event in read_run_events(root / name) if (root / name / EVENTS).is_file() else []:
+                if isinstance(event, MinibatchDone):
+                    sums.setdefault(event.step, []).append(event.loss)
+                elif isinstance(event, Averaged):
+                    divs.setdefault(event.step, []).append(event.divergence)
+                elif isinstance(event, EpochDone) and event.rank == 0:
+                    cv_x.append(event.step * scale)
+                    cv_y.append(100 * event.cv_frame_accuracy)
             steps, rounds = sorted(sums), sorted(divs)
             curves[name] = {
                 "label": labels[name],
@@ -149,9 +121,9 @@ class RunTable(param.Parameterized):
     def communication(self) -> list[dict[str, Any]]:
         """(method, ranks, K, MB sent per rank, CV accuracy %, WER %, run) of the finished
         multi-rank runs: what each bought with the bytes it sent."""
-        return [{"method": r["method"], "payload": r["payload"], "ranks": r["ranks"], "K": r["K"],
-                 "mb_sent": r["mb_sent"],
-                 "cv_acc_pct": r["cv_acc_pct"], "wer_pct": r["wer_pct"], "run": r["run"]}
+        return [{"method": r["averaging"], "payload": r["payload"], "ranks": r["ranks"],
+                 "K": r["average_every"], "mb_sent": r["mb_sent"],
+                 "cv_acc_pct": r["cv_acc_pct"], "wer_pct": r["wer"], "run": r["run"]}
                 for r in self.rows
                 if r["status"] == "finished" and r["ranks"] and r["ranks"] > 1 and r["mb_sent"]]
 

@@ -12,8 +12,10 @@ import panel as pn
 import param
 from bokeh.models import NumberFormatter
 
-from dashboard.plots import communication_plot, load_backend, overlay_plot
+from dashboard.overlay import RunsOverlay
+from dashboard.plots import communication_plot, load_backend
 from dashboard.runs_table import TABLE_COLUMNS, TABLE_TITLES, RunTable
+from labavg.jobs.columns import Column, columns
 
 
 def _number(format: str) -> NumberFormatter:
@@ -21,18 +23,27 @@ def _number(format: str) -> NumberFormatter:
     return NumberFormatter(format=format, nan_format="-", null_format="-", text_align="right")
 
 
-TABLE_FORMATS = {"lr": "0.[00000]", "wer_pct": "0.00", "per_pct": "0.00", "cv_acc_pct": "0.00",
-                 "cv_loss": "0.000", "speedup": "0.00", "efficiency": "0%", "wall_s": "0.0",
-                 "comm_pct": "0.0", "mb_sent": "0,0.0"}
-COUNT_COLUMNS = ("ranks", "K", "minibatch", "epochs", "cores")
+def _format(column: Column) -> str:
+    """A column's digits (labavg.jobs.columns) as a Bokeh number format; a percentage whose
+    title does not say so is shown as one ("92%": numbro's "%" takes a fraction)."""
+    if column.general:
+        return "0.[00000]"
+    digits = "." + "0" * column.digits if column.digits else ""
+    return f"0{digits}%" if column.suffix == "%" else f"0,0{digits}"
+
+
+TABLE_FORMATS = {c.key: _format(c) for c in columns(TABLE_COLUMNS)
+                 if c.digits is not None or c.general}
+SHOWN_AS_FRACTION = [c.key for c in columns(TABLE_COLUMNS) if c.suffix == "%"]
+COUNT_COLUMNS = ("ranks", "average_every", "minibatch", "epochs", "cores")
 NUMERIC_COLUMNS = (*TABLE_FORMATS, *COUNT_COLUMNS)
 # Pixels: a title with its sort arrow, so that run ... speedup fit the ~970 px beside the
 # sidebar at 1366 px (fit_data_table once sized "status" at 140 px and pushed CV accuracy off).
 # Through "efficiency" the columns must fit the 1366 px page beside the sidebar (about 960 px).
 # 13 px text (the page's is 15 px) keeps every title and run name whole at these widths.
-TABLE_WIDTHS = {"run": 175, "ranks": 78, "K": 46, "method": 96, "lr": 58, "wer_pct": 88, "per_pct": 82,
-                "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "speedup_range": 120,
-                "efficiency": 106, "status": 90, "cores": 78, "speedup_note": 430}
+TABLE_WIDTHS = {"run": 175, "ranks": 78, "average_every": 46, "averaging": 96, "lr": 58, "wer": 88,
+                "per": 82, "cv_acc_pct": 100, "cv_loss": 90, "speedup": 100, "speedup_range": 120,
+                "efficiency_pct": 106, "status": 90, "cores": 78, "speedup_note": 430}
 # The measured speedup's one line (value, range, conditions, flag) wraps in its cell.
 WRAPPED = {"speedup_note": {"type": "textarea"}}
 _TABLE_CSS = (".tabulator, .tabulator .tabulator-header, .tabulator .tabulator-row, "
@@ -45,8 +56,8 @@ def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=list(TABLE_COLUMNS))
     for column in NUMERIC_COLUMNS:
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype(float)
-    # The rows (and the CSV) hold a percentage; the "0%" format shows a fraction as one.
-    frame["efficiency"] = frame["efficiency"] / 100
+    for column in SHOWN_AS_FRACTION:
+        frame[column] = frame[column] / 100  # the rows and the CSV hold the percentage
     return frame
 
 
@@ -71,13 +82,13 @@ class RunsView(pn.viewable.Viewer):
                                                 label="Download CSV", color="default", width=150)
         self.refresh_button = pn.widgets.Button(label="Refresh", width=100)
         self.refresh_button.on_click(lambda _: self.refresh(force=True))
-        self.overlay = pn.pane.HoloViews(overlay_plot({}), sizing_mode="stretch_width")
+        self.overlay = RunsOverlay()
         self.communication = pn.pane.HoloViews(communication_plot([]), sizing_mode="stretch_width")
 
     def __panel__(self) -> pn.Column:
         """The runs table with its buttons, and the overlay of the selected runs."""
         return pn.Column(
-            pn.Row(pn.pane.Markdown("Tick runs to overlay them below; legends name what differs "
+            pn.Row(pn.pane.Markdown("Tick runs to overlay them below; the legend names what differs "
                                     "between them.", margin=(8, 10)),
                    pn.layout.HSpacer(), self.refresh_button, self.download),
             self.tabulator, self.overlay, sizing_mode="stretch_width",
@@ -98,7 +109,7 @@ class RunsView(pn.viewable.Viewer):
     def _on_select(self, event: param.parameterized.Event) -> None:
         frame = self.tabulator.value
         self.table.selected = [frame.iloc[i]["run"] for i in event.new if i < len(frame)]
-        self.overlay.object = overlay_plot(self.table.overlay())
+        self.overlay.show(self.table.overlay())
 
     def refresh(self, force: bool = False) -> None:
         """Rescan the runs directory and redraw the table and the communication plots."""

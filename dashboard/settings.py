@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,11 @@ import param
 from dashboard.corpus_fit import fit_problems
 from labavg.averaging.registry import method_names
 from labavg.base.settings import check_directory, to_dict, with_overrides
-from labavg.training.config import (PRESETS, TrainConfig, check_setting, setting_field,
-                                    setting_type, validate)
+from labavg.training.config import (PRESETS, TrainConfig, check_setting, config_from_dict,
+                                    setting_field, setting_type, validate)
 from labavg.data.dataset import check_data_source
 from labavg.base.errors import UserError
-from labavg.jobs.index import effective_k, flatten_config
+from labavg.jobs.index import flatten_config
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
 # dotted TrainConfig key of each control, by the control's name (the key's last part)
@@ -263,10 +264,14 @@ class RunSettings(param.Parameterized):
         self.errors = self.problems()
         self.warnings = self.warnings_now()
 
+    def build(self, out: str | Path) -> TrainConfig:
+        """The TrainConfig of a run written to `out`, as the boxes say, not validated: what Start
+        hands start_run, which validates it (`errors` already says what is wrong)."""
+        return with_overrides(TrainConfig(), self._values(out))
+
     def to_config(self, out: str | Path) -> TrainConfig:
         """The validated TrainConfig of a run written to `out`; UserError names a bad value."""
-        values = self._values(out)
-        cfg = validate(with_overrides(TrainConfig(), values))
+        cfg = validate(self.build(out))
         data = cfg.data
         check_data_source(data.data, ali=data.ali, ali_dir=data.ali_dir, textgrid=data.textgrid)
         return cfg
@@ -276,24 +281,29 @@ class RunSettings(param.Parameterized):
         problems = self.problems()
         return next(iter(problems.values())) if problems else None
 
+    def first_error(self) -> str | None:
+        """`check()` as the form last found it (its boxes' watchers keep `errors` current):
+        what Start and Measure read, so that a start validates once, in start_run."""
+        return next(iter(self.errors.values()), None)
 
-def describe_config(cfg: dict[str, Any]) -> str:
-    """One line saying what a run (given its config dict) trains, for the page header."""
-    model = cfg.get("model", {})
-    data = cfg.get("data", {})
-    final = cfg.get("final_lr")
-    lr = f"lr {cfg.get('lr'):g}" + (f"→{final:g}" if final is not None else "")
-    backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.get("backend"), cfg.get("backend"))
-    method = cfg.get("averaging", "model")
-    payload = cfg.get("payload", "fp32")
+
+def describe_config(config: TrainConfig | Mapping[str, Any]) -> str:
+    """One line saying what a run (given its settings, or its config.json's object) trains,
+    for the page header."""
+    cfg = config if isinstance(config, TrainConfig) else config_from_dict(config, "the run's config")
+    final = cfg.final_lr
+    lr = f"lr {cfg.lr:g}" + (f"→{final:g}" if final is not None else "")
+    backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.backend, cfg.backend)
+    method, payload = cfg.averaging, cfg.payload
     # Said only when not the paper's: plain averaging of fp32 parameters.
     averaging = (f"{method} · " if method != "model" else "") + (
-        f"{payload}{cfg.get('payload_bits', 8) if payload == 'int' else ''} payload · "
+        f"{payload}{cfg.payload_bits if payload == 'int' else ''} payload · "
         if payload != "fp32" else "")
-    return (f"{backend} × {cfg.get('ranks')} ranks · K={effective_k(cfg)} · {averaging}"
-            f"{cfg.get('optimizer')} {lr} ({cfg.get('schedule')}) · pretrain {cfg.get('pretrain')} · "
-            f"minibatch {cfg.get('minibatch')} · {cfg.get('epochs')} epoch{'' if cfg.get('epochs') == 1 else 's'} · "
-            f"{model.get('hidden_layers')}×{model.get('hidden_dim')} · data {Path(str(data.get('data'))).name}")
+    epochs = f"{cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}"
+    return (f"{backend} × {cfg.ranks} ranks · K={cfg.averaging_interval()} · {averaging}"
+            f"{cfg.optimizer} {lr} ({cfg.schedule}) · pretrain {cfg.pretrain} · "
+            f"minibatch {cfg.minibatch} · {epochs} · "
+            f"{cfg.model.hidden_layers}×{cfg.model.hidden_dim} · data {Path(str(cfg.data.data)).name}")
 
 
 def new_run_dir(runs_dir: Path, ranks: int, average_every: int) -> Path:

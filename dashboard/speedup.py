@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from dashboard.buffers import RunBuffers
 from labavg.base.machine import usable_cores
 from labavg.base.errors import UserError
-from labavg.jobs.index import effective_k
+from labavg.jobs.run_json import RunSummary, as_summary
 from labavg.jobs.speedup import Speedup, speedup_from_events, speedup_from_summary
 from labavg.studies.costmodel import TEN_GBE, MeasuredCosts, from_summary, predict
+from labavg.training.config import TrainConfig
 
 # Ranks the cost model predicts a speedup for, beside the run's own.
 PREDICTED_RANKS = (1, 2, 4, 8, 16, 32, 64)
@@ -67,27 +69,29 @@ def prediction(costs: MeasuredCosts | None, k: int | None,
                                                    network=PREDICTION_NETWORK)]
 
 
-def summary_costs(summary: dict[str, Any]) -> MeasuredCosts | None:
+def summary_costs(summary: RunSummary | Mapping[str, Any]) -> MeasuredCosts | None:
     """A finished run's costs for the cost model (None when its summary cannot give them)."""
     try:
+        summary = as_summary(summary)
         costs = from_summary(summary)
     except UserError:
         return None
-    solo = [p[0] for p in summary.get("speedup_pairs") or [] if p and p[0] > 0]
+    solo = [p[0] for p in summary.speedup_pairs or [] if p and p[0] > 0]
     return alone(costs, solo)
 
 
-def live_speedup(buffers: RunBuffers, config: dict[str, Any],
-                 summary: dict[str, Any] | None = None) -> RunSpeedup:
+def live_speedup(buffers: RunBuffers, config: TrainConfig | None,
+                 summary: RunSummary | Mapping[str, Any] | None = None) -> RunSpeedup:
     """The run's measured speedup (its summary's once it has one, else its events' so far:
-    the same function reads both) and the cost model's for N machines."""
-    k = effective_k(config)
+    the same function reads both) and the cost model's for N machines; `config` is None
+    before the run's settings are known."""
+    k = None if config is None else config.averaging_interval()
     if summary:
         measured = speedup_from_summary(summary)
         costs = summary_costs(summary)
     else:
         measured = speedup_from_events(buffers.speedup_events())
-        costs = buffers.measured_costs(int(config.get("minibatch") or 1))
+        costs = buffers.measured_costs(1 if config is None else config.minibatch)
         if costs is not None:
             costs = alone(costs, [p["solo_step_seconds"] for p in buffers.pairs])
     note = ""
@@ -102,21 +106,13 @@ def live_speedup(buffers: RunBuffers, config: dict[str, Any],
     return RunSpeedup(measured=measured, K=k, predicted=prediction(costs, k), note=note)
 
 
-def table_cells(summary: dict[str, Any] | None) -> dict[str, Any]:
-    """The runs table's (and CSV's) speedup columns of a run, from its summary."""
+def speedup_note(summary: RunSummary | None) -> str | None:
+    """The runs table's (and CSV's) line of a run's measured speedup, from its summary."""
     speedup = speedup_from_summary(summary) if summary else None
-    if speedup is None:
-        return {"speedup": None, "speedup_range": None, "efficiency": None, "cores": None,
-                "speedup_note": None}
-    spread = (f"{speedup.low:.2f}-{speedup.high:.2f}" if speedup.value is not None
-              and speedup.ranks > 1 else None)
-    efficiency = speedup.efficiency
-    return {"speedup": speedup.value, "speedup_range": spread,
-            "efficiency": None if efficiency is None else 100 * efficiency,
-            "cores": speedup.cores or None, "speedup_note": shown_text(speedup)}
+    return None if speedup is None else shown_text(speedup)
 
 
-def scaling_point(name: str, k: int | None, summary: dict[str, Any]) -> dict[str, Any] | None:
+def scaling_point(name: str, k: int | None, summary: RunSummary) -> dict[str, Any] | None:
     """One point of the Scaling tab (a finished run with a measured speedup), else None."""
     speedup = speedup_from_summary(summary)
     return speedup_point(name, k, speedup) if speedup is not None else None

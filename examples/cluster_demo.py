@@ -12,9 +12,11 @@ printing each rank's loss and the divergence at each averaging round, and shuts 
 # %%
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from labavg.jobs.cluster import Cluster
+from labavg.jobs.launch import start_run
 from labavg.data.settings import DataConfig
 from labavg.training.config import TrainConfig
 from labavg.data.synth import synthesize
@@ -57,11 +59,16 @@ for engine in cluster.info():
 try:
     for k in (2, 8):
         print(f"average_every = {k}")
-        run = cluster.submit(config(k))
-        for event in run.events(timeout=300):
-            show(event)
+        run = start_run(config(k), cluster=cluster)  # the one door to a run, on these engines
+        while True:
+            finished = run.done()  # asked first, so the events polled after it are the last
+            for event in run.poll():
+                show(event)
+            if finished:
+                break
+            time.sleep(0.1)
         summary = run.wait()
-        latency = run.latency()
+        latency = run.handle.latency()
         print(f"  cv frame accuracy {summary['cv_frame_accuracy']:.3f}, "
               f"{summary['averaging_rounds']} averaging rounds, wall {summary['wall_seconds']:.2f} s; "
               f"event latency median {latency['median'] * 1e3:.0f} ms, p95 {latency['p95'] * 1e3:.0f} ms")

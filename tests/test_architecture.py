@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,121 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     known = {"labavg.jobs.runs": tmp_path / "a.py", "labavg.base.x": tmp_path / "a.py"}
     assert _imports(tmp_path / "a.py", known) == {"labavg.jobs.runs"}
     assert _layer("labavg.base.x")[0] < _layer("labavg.jobs.runs")[0]
+
+
+# What starts runs from outside labavg.jobs, and the names behind start_run they must not call:
+# a run's consumer, its rank loop, a rank's entry and the in-process ranks, the engines' start.
+STARTERS = ("notebooks/*.ipynb", "dashboard/*.py", "benchmarks/*.py", "examples/*.py",
+            "labavg/studies/**/*.py")
+BEHIND_THE_DOOR = {"run_training", "train_rank", "run_rank", "iterate_inproc", "launch_on_engine",
+                   "submit"}
+RANK_ENTRY = "labavg.jobs.rank_main"
+
+
+def _python_of(path: Path) -> str:
+    """A file's Python: a notebook's code cells, their IPython magic lines blanked."""
+    if path.suffix != ".ipynb":
+        return path.read_text()
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join("\n" if line.lstrip().startswith(("%", "!")) else line
+                             for line in cell["source"])
+                     for cell in cells if cell["cell_type"] == "code")
+
+
+def doors_around(source: str) -> list[str]:
+    """Where `source` starts training some way other than start_run ("line: name")."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+            if node.module == "labavg.training.runner" and "train" in names:
+                names.append("labavg.training.runner.train")
+            names += [node.module] if node.module == RANK_ENTRY else []
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name in (RANK_ENTRY, "labavg.training.runner")]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [RANK_ENTRY] if RANK_ENTRY in node.value else []  # `python -m` it
+        found += [f"{node.lineno}: {name}" for name in names
+                  if name in BEHIND_THE_DOOR or name in (RANK_ENTRY, "labavg.training.runner",
+                                                         "labavg.training.runner.train")]
+    return found
+
+
+def test_notebooks_dashboard_benchmarks_and_studies_start_runs_only_through_start_run():
+    paths = sorted({p for pattern in STARTERS for p in REPO.glob(pattern)})
+    assert any(p.suffix == ".ipynb" for p in paths) and any(p.parts[-2] == "dashboard" for p in paths)
+    around = [f"{p.relative_to(REPO)}:{where}" for p in paths for where in doors_around(_python_of(p))]
+    assert not around, ("training started other than through labavg.jobs.launch.start_run:\n"
+                        + "\n".join(around))
+
+
+def test_the_start_scan_catches_what_it_is_for(tmp_path):
+    """A run started behind start_run's back is found in a module and in a notebook's cells."""
+    assert doors_around("from labavg.jobs.runs import run_training\nrun_training(cfg)\n") == [
+        "1: run_training", "2: run_training"]
+    assert doors_around("from labavg.training.runner import keep_freed_memory, train\n") == [
+        "1: labavg.training.runner.train"]
+    assert doors_around("handle = cluster.submit(cfg)\n") == ["1: submit"]
+    assert doors_around('subprocess.run([sys.executable, "-m", "labavg.jobs.rank_main", f])\n') == [
+        "1: labavg.jobs.rank_main"]
+    notebook = tmp_path / "n.ipynb"
+    notebook.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": ["run_training(cfg) in prose is no call\n"]},
+        {"cell_type": "code", "source": ["%%px\n", "from labavg.training.rank import train_rank\n"]},
+    ]}))
+    assert doors_around(_python_of(notebook)) == ["2: train_rank"]
+    assert doors_around("from labavg.jobs.launch import start_run\nstart_run(cfg).wait()\n") == []
+
+
+# A run read back is typed (labavg.jobs.index.read_run: its TrainConfig and RunSummary): no
+# module of these layers picks a field of a run's config or summary out of a dict by name.
+RUN_READERS = ("labavg/jobs/", "labavg/studies/", "dashboard/")
+RUN_NAMES = {"config", "cfg", "summary"}  # a variable holding a run's config or summary
+RUN_ATTRIBUTES = {"config", "summary"}  # record.config, run.summary
+# The one reader: it turns config.json's and summary.json's objects into the typed values.
+RUN_DICT_EXEMPT = {"labavg/jobs/run_json.py"}
+
+
+def _run_dict_reads(source: str) -> list[int]:
+    """Lines where a run's config or summary is read as a dict: x["key"] or x.get("key")."""
+    def is_run(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Name) and node.id in RUN_NAMES)
+                or (isinstance(node, ast.Attribute) and node.attr in RUN_ATTRIBUTES))
+
+    def is_text(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and is_run(node.value) and is_text(node.slice):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "get" and is_run(node.func.value) and node.args
+              and is_text(node.args[0])):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_run_is_read_as_a_dict_above_its_reader():
+    found = []
+    for path in _modules().values():
+        where = str(path.relative_to(REPO))
+        if where.startswith(RUN_READERS) and where not in RUN_DICT_EXEMPT:
+            found += [f"{where}:{n}" for n in _run_dict_reads(path.read_text())]
+    assert not found, ("a run's config or summary read as a dict (read it typed: "
+                       "labavg.jobs.index.read_run, labavg.jobs.run_json.as_summary):\n"
+                       + "\n".join(found))
+
+
+def test_the_run_dict_check_catches_what_it_is_for():
+    planted = ('k = summary.get("average_every")\n'
+               'lr = record.config["lr"]\n'
+               'wer = run.summary.get("wer", 0)\n'
+               'ok = summary.average_every, cfg.averaging_interval(), events["type"]\n'
+               'also = config.get(key)\n')
+    assert _run_dict_reads(planted) == [1, 2, 3]

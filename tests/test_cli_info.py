@@ -32,8 +32,13 @@ def _info(capsys, *args) -> tuple[int, list[str], str]:
     return code, out.splitlines(), err
 
 
+def _cells(line: str) -> list[str]:
+    """A Markdown table line's cells, without the padding that aligns the columns."""
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def _runs_in_table(lines: list[str]) -> list[str]:
-    return [line.split("|")[1].strip() for line in lines[2:]]
+    return [_cells(line)[0] for line in lines[2:]]
 
 
 @pytest.fixture
@@ -63,7 +68,7 @@ def test_info_of_the_quick_starts_glob_lists_its_nested_runs(runs, capsys):
         "runs/sweep/runs/seed_0-ranks_16",
         "runs/sweep/runs/seed_0-ranks_32 (running/incomplete)",
     ]
-    assert lines[0].startswith("| run | ranks |") and len(lines) == 2 + 7  # one table
+    assert _cells(lines[0])[:2] == ["run", "ranks"] and len(lines) == 2 + 7  # one table
 
 
 def test_info_of_a_directory_searches_it_and_a_run_is_listed_once(runs, capsys):
@@ -74,7 +79,7 @@ def test_info_of_a_directory_searches_it_and_a_run_is_listed_once(runs, capsys):
                                          "runs/sweep/runs/seed_0-ranks_16"]
     assert len(lines) == 2 + 4
     # the unfinished run shows its settings and no results
-    assert lines[-1].split("|")[2:5] == [" 32 ", " 10 ", " ngsgd "] and "| - |" in lines[-1]
+    assert _cells(lines[-1])[1:4] == ["32", "10", "ngsgd"] and "-" in _cells(lines[-1])
 
 
 def test_info_json_is_one_object_for_one_run_and_a_list_for_a_directory(runs, capsys):

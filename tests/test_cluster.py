@@ -19,6 +19,7 @@ import pytest
 
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.cluster_run import RunError
+from labavg.jobs.launch import start_run
 from labavg.jobs.processes import pid_alive
 from labavg.data.settings import DataConfig
 from labavg.training.config import TrainConfig
@@ -66,14 +67,14 @@ def test_engines_are_ordered_by_mpi_rank(cluster):
     assert cluster.view.pull("seen") == [(0, 2, "cpu"), (1, 2, "cpu")]
 
 
-def test_submit_refuses_a_non_mpi_config(cluster, corpus, tmp_path):
+def test_a_cluster_refuses_a_non_mpi_config(cluster, corpus, tmp_path):
     cfg = make_cfg(tmp_path / "r", corpus, 2)
     cfg.backend = "inproc"
     with pytest.raises(UserError, match="backend 'inproc'"):
-        cluster.submit(cfg)
+        start_run(cfg, cluster=cluster)
     cfg.backend, cfg.ranks = "mpi", 3
     with pytest.raises(UserError, match="ranks=3"):
-        cluster.submit(cfg)
+        start_run(cfg, cluster=cluster)
 
 
 def _check_complete(history, run_dir: Path, total: int, average_every: int) -> None:
@@ -90,7 +91,7 @@ def _check_complete(history, run_dir: Path, total: int, average_every: int) -> N
 
 
 def test_run_streams_events_while_running_and_history_is_complete(cluster, corpus, tmp_path):
-    handle = cluster.submit(make_cfg(tmp_path / "k2", corpus, 2))
+    handle = cluster._submit(make_cfg(tmp_path / "k2", corpus, 2))
     seen = list(handle.events(timeout=120))
     summary = handle.wait(timeout=10)
     assert handle.done and handle.gaps == []
@@ -110,7 +111,7 @@ def test_run_streams_events_while_running_and_history_is_complete(cluster, corpu
 
 def test_second_run_reuses_the_warm_engines(cluster, corpus, tmp_path):
     pids = [i["pid"] for i in cluster.info()]
-    handle = cluster.submit(make_cfg(tmp_path / "k8", corpus, 8))
+    handle = cluster._submit(make_cfg(tmp_path / "k8", corpus, 8))
     summary = handle.wait(timeout=120)
     total = handle.history[0]["steps_per_epoch"]
     assert summary["average_every"] == 8 and summary["averaging_rounds"] == -(-total // 8)
@@ -121,7 +122,7 @@ def test_second_run_reuses_the_warm_engines(cluster, corpus, tmp_path):
 def test_an_exception_on_the_engines_names_the_rank(cluster, corpus, tmp_path):
     cfg = make_cfg(tmp_path / "bad", corpus, 2)
     cfg.data.data = str(tmp_path / "no-such-corpus")
-    handle = cluster.submit(cfg)
+    handle = cluster._submit(cfg)
     with pytest.raises(RunError) as failure:
         handle.wait(timeout=60)
     assert failure.value.rank == 0 and str(failure.value).startswith("rank 0 raised ")
@@ -141,7 +142,7 @@ def test_attach_finds_the_running_engines_and_detaches_without_stopping_them(clu
 
 
 def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
-    handle = cluster.submit(make_cfg(tmp_path / "stop", corpus, 4, epochs=40))
+    handle = cluster._submit(make_cfg(tmp_path / "stop", corpus, 4, epochs=40))
     for event in handle.events(timeout=120):
         if event["type"] == "average" and event["round"] >= 2:
             handle.stop()
@@ -157,8 +158,6 @@ def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
 
 
 def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, corpus, tmp_path):
-    from labavg.jobs.launch import start_run
-
     cfg = make_cfg(tmp_path / "seam", corpus, 4, epochs=3)
     handle = start_run(cfg, cluster=cluster)
     events, deadline = [], time.monotonic() + 120
@@ -175,9 +174,11 @@ def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, c
     assert not cluster.closed and len(cluster.info()) == 2  # a cluster it was given stays up
 
 
+# Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
+@pytest.mark.slow
 def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corpus, tmp_path):
     victim = cluster.info()[1]["pid"]
-    handle = cluster.submit(make_cfg(tmp_path / "dead", corpus, 20, epochs=40))
+    handle = cluster._submit(make_cfg(tmp_path / "dead", corpus, 20, epochs=40))
     for event in handle.events(timeout=120):
         if event["rank"] == 1 and event["type"] == "minibatch" and event["step"] >= 3:
             os.kill(victim, signal.SIGKILL)
@@ -192,7 +193,7 @@ def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corp
     handle.kill()  # the survivor is stuck in (or aborted by) the collective: fresh engines
     assert cluster.ranks == [0, 1] and not pid_alive(victim)
     assert victim not in [i["pid"] for i in cluster.info()]
-    summary = cluster.submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
+    summary = cluster._submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
     assert summary["average_every"] == 8 and summary["steps"] > 0
 
 
@@ -211,6 +212,8 @@ def test_kill_recovers_engines_hung_in_a_collective(cluster, corpus, tmp_path):
     assert cluster.view.apply(os.getpid) == [i["pid"] for i in cluster.info()]
 
 
+# Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
+@pytest.mark.slow
 def test_shutdown_of_engines_hung_in_mpi_says_so_and_leaves_no_processes(cluster, caplog):
     # rank 0 blocks in a barrier rank 1 never enters: it cannot act on the request to exit
     cluster.client[cluster.engine_ids[0]].execute("from mpi4py import MPI; MPI.COMM_WORLD.Barrier()",

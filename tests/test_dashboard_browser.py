@@ -136,6 +136,30 @@ LEGENDS_JS = """
 }
 """
 
+# The Runs tab's overlay (dashboard.overlay): per plot title, how many lines its multi-line
+# source holds, its y range as drawn, and the lowest and highest y of the lines.
+OVERLAY_JS = """
+() => {
+  const out = {};""" + MODELS_JS + """
+  {
+    for (const model of models) {
+      if (!model.title || !model.y_range || !model.renderers) continue;
+      for (const renderer of model.renderers) {
+        const data = renderer.data_source && renderer.data_source.data;
+        if (!data) continue;
+        const get = (k) => data instanceof Map ? data.get(k) : data[k];
+        const xs = get("xs"), ys = get("ys");
+        if (xs === undefined || ys === undefined) continue;
+        const all = ys.flatMap((y) => Array.from(y));
+        out[model.title.text] = {lines: xs.length, y: [model.y_range.start, model.y_range.end],
+                                 low: Math.min(...all), high: Math.max(...all)};
+      }
+    }
+  }
+  return out;
+}
+"""
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -410,7 +434,14 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
         if first in t or third in t:
             rows.nth(i).locator("input[type=checkbox]").first.click()
     wanted = {"K=3 1 epoch", "K=7 5 epochs"}
-    wait_for(lambda: wanted <= set(page.evaluate(LEGENDS_JS)), 60, f"legends {wanted}")
+    wait_for(lambda: set(page.locator(".run").all_inner_texts()) == wanted, 60, f"the legend {wanted}")
+    # A line per run in each plot, and accuracy on the runs' own range (0-100 flattened them).
+    plots = wait_for(lambda: (found := page.evaluate(OVERLAY_JS)) and len(found) == 3
+                     and all(p["lines"] == 2 for p in found.values()) and found, 60, "the overlay")
+    cv = plots["CV frame accuracy"]
+    spread = cv["high"] - cv["low"]
+    assert cv["y"][0] <= cv["low"] and cv["y"][1] >= cv["high"], cv
+    assert cv["y"][1] - cv["y"][0] <= 1.5 * spread + 2, cv
     page.mouse.move(850, 500)
     page.mouse.wheel(0, 400)  # the plots are drawn on canvases: no text to scroll to
     time.sleep(1)

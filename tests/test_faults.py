@@ -246,6 +246,8 @@ def test_torchrun_stopped_rank_ends_the_job_in_one_line(corpus, tmp_path):
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
 
 
+# Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
+@pytest.mark.slow
 def test_torchrun_rank_that_raises_is_one_line_naming_it(corpus, tmp_path):
     proc = _train_cli(corpus, tmp_path / "run", "--backend", "torch", "--epochs", "3",
                       "--set", 'inject_fault="raise@rank1:step5"')

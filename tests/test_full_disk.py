@@ -88,7 +88,8 @@ SMALL = ["--epochs", "3", "--minibatch", "64", "--set", "model.hidden_layers=1",
          "model.hidden_dim=32", "--set", "tensorboard=false"]
 
 
-@pytest.mark.parametrize("size, fills", [("20k", "events.jsonl"), ("300k", "checkpoints/")])
+@pytest.mark.parametrize("size, fills", [("20k", "events.jsonl"),  # checkpoints/ slow: fast-suite margin
+                                         pytest.param("300k", "checkpoints/", marks=pytest.mark.slow)])
 def test_a_run_on_a_full_disk_is_one_line_and_resumes(corpus, small_disk, size, fills):
     disk = small_disk(size)
     run = disk / "run"

@@ -109,7 +109,7 @@ def test_allow_pipes_never_comes_from_the_launch_file(tmp_path):
     cfg = replace(cfg, data=DataConfig(data=str(folder), context=1, buffer_frames=2048))
     launch = tmp_path / "launch.json"
     launch.write_text(json.dumps({"config": to_dict(cfg), "resume": False, "allow_pipes": True}))
-    proc = subprocess.run([sys.executable, "-m", "labavg", "train", "--config-json", str(launch),
+    proc = subprocess.run([sys.executable, "-m", "labavg.jobs.rank_main", str(launch),
                            "--no-progress"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and "is a pipe" in proc.stderr and not marker.exists()
 

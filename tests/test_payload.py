@@ -429,13 +429,17 @@ def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
     from labavg.jobs.summary import format_table
     from labavg.studies.sweep import COLUMNS
 
-    config = {"ranks": 4, "averaging": "model", "payload": "int", "payload_bits": 4}
+    from labavg.jobs.run_json import RunSummary
+    from labavg.training.config import TrainConfig
+
+    config = TrainConfig(ranks=4, averaging="model", payload="int", payload_bits=4)
     assert run_row("r", config, None)["payload"] == "int4"  # from the config while it trains
-    assert run_row("r", {"ranks": 4}, {"payload": "bf16"})["payload"] == "bf16"
-    assert run_row("old", {"ranks": 4}, None)["payload"] == "fp32"  # before payloads existed
+    assert run_row("r", TrainConfig(ranks=4), RunSummary(payload="bf16"))["payload"] == "bf16"
+    assert run_row("old", None, RunSummary(ranks=4))["payload"] == "fp32"  # before payloads
     plain = {"run": "a", "ranks": 2, "averaging": "model", "payload": "fp32", "config": {}}
     header = format_table([plain]).splitlines()[0]
     assert "payload" not in header
     table = format_table([plain, {**plain, "run": "b", "payload": "int8"}])
-    assert "| payload |" in table.splitlines()[0] and "| int8 |" in table
+    header, _, _, second = (line.replace(" ", "") for line in table.splitlines()[:4])
+    assert "|payload|" in header and "|int8|" in second
     assert "payload" in COLUMNS

@@ -240,7 +240,8 @@ def test_watchdog_names_a_silent_peer_and_waits_for_a_busy_one(tmp_path):
 # -- the launcher owns its job ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+                                 signal.SIGINT])  # SIGTERM slow: fast-suite margin
 def test_killing_the_launcher_ends_its_ranks(corpus, tmp_path, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -443,6 +444,8 @@ def test_inproc_hang_is_ended_by_the_watchdog(corpus, tmp_path):
     assert "rank(s) [1] did not reach" in str(info.value)
 
 
+# Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
+@pytest.mark.slow
 def test_inproc_hang_from_the_command_line_is_one_line(corpus, tmp_path):
     proc = _cli(*_train_args(corpus, tmp_path / "run", "--ranks", "2", "--set",
                              'inject_fault="hang@rank1:step3"', "--set", "watchdog_seconds=2"),

@@ -4,7 +4,6 @@ the file it points to is left as it was."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

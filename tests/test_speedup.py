@@ -107,7 +107,10 @@ def test_a_stopped_run_reports_the_frames_it_trained(corpus, tmp_path):
     assert len(resumed["speedup_pairs"]) > len(stopped["speedup_pairs"])
 
 
-@pytest.mark.parametrize("ranks,cpus", [(2, "0"), pytest.param(4, "0,1", marks=pytest.mark.slow)])
+# Both slow (fast-suite margin): the pairs of a 2-rank run are checked against the cores in the fast
+# test of the paired measurement; these start real MPI jobs pinned by taskset.
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks,cpus", [(2, "0"), (4, "0,1")])
 def test_mpi_ranks_pinned_to_fewer_cores_cannot_pass_the_cores(corpus, tmp_path, ranks, cpus):
     """The physical bound: ranks pinned to C cores share them, and the measurement shows at
     most C x (on the old code a 1-rank run beside it gave any figure at all: 4.41x for 4

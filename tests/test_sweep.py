@@ -41,7 +41,8 @@ def test_sweep_runs_grid_writes_table_and_skips_finished(corpus, tmp_path):
     table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
     assert [(r["ranks"], r["optimizer"]) for r in table] == [
         ("1", "sgd"), ("1", "ngsgd"), ("2", "sgd"), ("2", "ngsgd")]
-    assert all(0 < float(r["cv_frame_accuracy"]) < 1 for r in table)
+    assert all(0 < float(r["cv_acc_pct"]) < 100 for r in table)  # a percentage, as results.md
+    assert all(0 < r["cv_frame_accuracy"] < 1 for r in rows)  # the rows: summary.json's fraction
     # Each run measured its own speedup (1 for a 1-rank run), with the range of its pairs.
     assert rows[0]["speedup"] == 1.0 and rows[2]["speedup"] > 0
     assert rows[2]["speedup_low"] <= rows[2]["speedup"] <= rows[2]["speedup_high"]
@@ -51,7 +52,7 @@ def test_sweep_runs_grid_writes_table_and_skips_finished(corpus, tmp_path):
     run_sweep(sweep, tmp_path / "out", train_point=lambda cfg, resume: calls.append(cfg))
     assert calls == []
     assert (tmp_path / "out/runs/ranks_1-optimizer_sgd/summary.json").stat().st_mtime_ns == stamp
-    assert "CV frame accuracy" in (tmp_path / "out" / "results.md").read_text()
+    assert "CV acc % (mean)" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_sweep_rejects_bad_grid(corpus, tmp_path):
@@ -185,7 +186,7 @@ def test_points_recorded_elsewhere_with_the_same_settings_are_not_trained_again(
     rows = run_sweep(sweep, tmp_path / "again", recorded=recorded,
                      train_point=lambda cfg, resume: calls.append(cfg.out))
     assert calls == [] and [r["name"] for r in rows] == ["ranks_1", "ranks_2"]
-    assert rows[1]["cv_frame_accuracy"] == recorded["ranks_2"]["summary"]["cv_frame_accuracy"]
+    assert rows[1]["cv_frame_accuracy"] == recorded["ranks_2"]["summary"].cv_frame_accuracy
     # A recorded run of other settings (another base) is trained.
     recorded["ranks_2"]["settings"]["minibatch"] = 128
     run_sweep(sweep, tmp_path / "again", recorded=recorded)

@@ -8,6 +8,7 @@ nats, accuracies are fractions in [0, 1], `step` counts minibatches from the sta
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -160,3 +161,25 @@ class RunFinished(Event):
     overlap_seconds: float = 0.0  # of comm_seconds, those spent on non-blocking means
     overlap_bytes_sent: int = 0  # of bytes_sent, those sent by non-blocking means
     wait_seconds: float = 0.0  # of overlap_seconds, those inside the waits
+
+
+EVENT_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
+    RunStarted, MinibatchDone, Averaged, EpochDone, CheckpointSaved, Message, SpeedupPair,
+    RunFinished)}
+
+
+def event_from_dict(values: Mapping[str, Any]) -> Event | None:
+    """The typed event of one events.jsonl object (what `Event.to_dict` wrote); None for a
+    type this labavg does not know or an object that lacks one of its type's fields. Fields
+    added since the event was written take their defaults; fields it does not know are left out."""
+    cls = EVENT_TYPES.get(values.get("type"))
+    if cls is None:
+        return None
+    known = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in values.items() if k in known}
+    if isinstance(fields.get("fragment_bytes"), list):
+        fields["fragment_bytes"] = tuple(fields["fragment_bytes"])  # JSON has no tuples
+    try:
+        return cls(**fields)
+    except TypeError:
+        return None

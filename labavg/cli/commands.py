@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from labavg.base.errors import PeerFailed, UserError
+from labavg.base.errors import UserError
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -58,8 +58,9 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def train_config(args: argparse.Namespace):
-    """Defaults, then the TOML file (or the resumed run's config), then the flags."""
-    from labavg.training.config import TrainConfig, cli_flags, load_config, validate
+    """Defaults, then the TOML file (or the resumed run's config), then the flags; not yet
+    validated (start_run does that, once)."""
+    from labavg.training.config import TrainConfig, cli_flags, load_config
     from labavg.base.settings import with_overrides
 
     if args.resume:
@@ -80,42 +81,37 @@ def train_config(args: argparse.Namespace):
         overrides["out"] = args.resume
         # A fault is injected once: the resumed run is the recovery from it.
         overrides.setdefault("inject_fault", None)
-    return validate(with_overrides(cfg, overrides))
+    return with_overrides(cfg, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from labavg.comm.launchers import detect_launcher, launcher_rank
-    from labavg.jobs.launch import JobFailed, rank_config, start_run
+    from labavg.comm.launchers import detect_launcher
+    from labavg.jobs.launch import JobFailed, start_run
+    from labavg.jobs.rank_main import run_rank, said_by_rank_0
     from labavg.jobs.summary import format_table
 
-    try:
-        if args.config_json:  # a rank of a job labavg.jobs.launch started
-            cfg, resume, stop_file = rank_config(args.config_json)
-        else:
-            cfg, resume, stop_file = train_config(args), bool(args.resume), None
-    except UserError as exc:
-        if detect_launcher() is not None and launcher_rank() > 0:
-            # Every rank parses the same flags and files: rank 0 alone says what is wrong.
-            raise PeerFailed(str(exc)) from None
-        raise
     progress = not args.no_progress
-    if cfg.backend == "torch" and detect_launcher() == "mpi":
-        raise UserError("backend 'torch' runs under torchrun: torchrun --nproc-per-node N -m labavg train ...")
-    if detect_launcher() is not None or args.config_json:
-        # This process is one rank of a job that mpiexec, srun, torchrun or labavg started.
-        from labavg.jobs.runs import run_training  # torch: after the settings are checked
+    if detect_launcher() is not None:
+        # The user's own mpiexec, srun or torchrun started this process as one rank: no
+        # start_run validates for it, so it does, as every rank of a job labavg starts is
+        # handed settings start_run validated.
+        from labavg.training.config import validate
 
-        should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
-        summary = run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
-                               allow_pipes=args.allow_pipes)
-    else:
         try:
-            summary = _wait_interruptibly(start_run(cfg, resume=resume, allow_pipes=args.allow_pipes,
-                                                    hosts=args.hosts, progress=progress,
-                                                    launcher=args.launcher))
+            cfg = validate(train_config(args))
+        except UserError as exc:
+            raise said_by_rank_0(exc) from None
+        summary = run_rank(cfg, resume=bool(args.resume), progress=progress,
+                           allow_pipes=args.allow_pipes)
+    else:
+        cfg = train_config(args)
+        try:
+            summary = _wait_interruptibly(start_run(cfg, resume=bool(args.resume),
+                                                    allow_pipes=args.allow_pipes, hosts=args.hosts,
+                                                    progress=progress, launcher=args.launcher))
         except JobFailed as exc:  # its ranks have said why (or, interrupted, that it was)
             return exc.code
-    if summary is not None and not args.config_json:  # a rank labavg started: its parent says it
+    if summary is not None:
         print(format_table([{"run": cfg.out, **summary}]))
         written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
         print(f"run directory: {cfg.out}  ({written})")

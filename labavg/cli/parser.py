@@ -46,8 +46,6 @@ def _add_train_parser(sub) -> None:
                    help="let data files and rspecifiers run commands (Kaldi's 'cmd |'); off by "
                    "default because a data file could then run anything as you")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # How a launcher (labavg.jobs.launch) hands its ranks their configuration: not for people.
-    p.add_argument("--config-json", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_train)
 
 

@@ -7,7 +7,8 @@ This is the client side; what runs inside the engines is labavg.jobs.engine. The
   `mpiexec` (engines="mpi"), all on 127.0.0.1; `Cluster.attach()` connects to a running
   `ipcluster start --engines=mpi`. Every engine reports its MPI rank and binds its device by
   local rank (`labavg.comm.devices.select_device`); `cluster.view` is a DirectView in rank order.
-* `cluster.submit(cfg)` sends the config as a plain dict to every engine, which runs
+* `start_run(cfg, cluster=cluster)` (labavg.jobs.launch, the one door to a run) calls
+  `cluster._submit(cfg)`, which sends the config as a plain dict to every engine, which runs
   `run_training` in a background thread (the engine stays free for `stop()` and `%px`) and
   streams its events back as ipyparallel data messages (datapub). The returned `ClusterRun`
   polls them, detects gaps, watches for dead or silent engines, and waits for the summary
@@ -214,7 +215,7 @@ class Cluster:
 
     # -- runs
 
-    def submit(self, cfg: TrainConfig, *, resume: bool = False, heartbeat: float = 0.5,
+    def _submit(self, cfg: TrainConfig, *, resume: bool = False, heartbeat: float = 0.5,
                silence_timeout: float = 15.0) -> ClusterRun:
         """Start `cfg` on all engines (cfg.backend must be "mpi") and return its handle at once.
 
@@ -233,7 +234,7 @@ class Cluster:
             raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
         run_id = uuid.uuid4().hex[:12]
         cfg_dict = to_dict(cfg)
-        results = [self.client[info["engine_id"]].apply_async(engine.launch_on_engine, run_id, cfg_dict,
+        results = [self.client[info["engine_id"]].apply_async(engine._launch_on_engine, run_id, cfg_dict,
                                                               heartbeat, resume)
                    for info in self._infos]
         self._run = ClusterRun(self, run_id, results, self.info(), silence_timeout=silence_timeout)

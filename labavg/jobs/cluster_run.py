@@ -1,6 +1,6 @@
 """A run going on a labavg.jobs.cluster.Cluster's engines, as the client sees it.
 
-`Cluster.submit` returns a `ClusterRun`; labavg.jobs.launch.EnginesRun wraps it in the handle
+`Cluster._submit` returns a `ClusterRun`; labavg.jobs.launch.EnginesRun wraps it in the handle
 every way of starting a run gives back. What runs inside the engines is labavg.jobs.engine.
 
 Data messages: the client keeps only the latest value per key of each request's data, so

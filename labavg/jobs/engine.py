@@ -3,7 +3,7 @@
 The client (labavg.jobs.cluster) sends these functions by reference (labavg is importable on the
 engines); their state lives in the engine's user namespace, like a %px variable.
 
-`launch_on_engine` runs `labavg.jobs.runs.run_training` in a background thread (the engine
+`_launch_on_engine` runs `labavg.jobs.runs.run_training` in a background thread (the engine
 stays free for `request_stop` and %px) and streams the events back as ipyparallel data
 messages: each batch under its own key `<run>/<seq>` (the client keeps only the latest value
 per key), and `<run>/alive`, a heartbeat the publisher thread refreshes every `heartbeat`
@@ -136,7 +136,7 @@ class EngineRun:
                 return
 
 
-def launch_on_engine(run_id: str, cfg_dict: dict[str, Any], heartbeat: float,
+def _launch_on_engine(run_id: str, cfg_dict: dict[str, Any], heartbeat: float,
                      resume: bool = False) -> dict[str, Any]:
     """On an engine: start this rank's part of run `run_id` in the background and return at once."""
     from labavg.comm.mpi import world_rank_size

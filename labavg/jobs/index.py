@@ -1,24 +1,32 @@
 """The runs index: reading run directories back, for `labavg info`, sweeps, the reproduction,
 the dashboard and notebooks.
 
-    EventTail / read_events   the one reader of events.jsonl (a growing file, or a finished one)
-    list_runs                 the runs under a directory: name, config and summary of each
-    run_row                   the one projection of a run into a table row (every table's source)
+    EventTail / read_events   the one reader of events.jsonl (a growing file, or a finished one);
+    read_run_events           its events typed (labavg.base.events)
+    read_run / list_runs      a run directory read back once, typed: its TrainConfig and its
+                              RunSummary (labavg.jobs.run_json); the runs under a directory
+    run_row                   the one projection of a run into a table row (every table's
+                              source; its columns are labavg.jobs.columns')
 
 A row's K is the effective averaging interval (`average_every_frames` turned into minibatches
-when it is set), as summary.json records it: every table shows the K the run trained with.
+when it is set, TrainConfig.averaging_interval), as summary.json records it: every table shows
+the K the run trained with.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from labavg.jobs.speedup import speedup_from_summary
 from labavg.base.errors import UserError
-from labavg.jobs.run_json import load_json, read_config_file, read_summary_file
+from labavg.base.events import Event, event_from_dict
+from labavg.base.settings import to_dict
+from labavg.jobs.run_json import RunSummary, as_summary, read_run_config, read_run_summary
+from labavg.training.config import TrainConfig
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
@@ -58,7 +66,8 @@ class EventTail:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """All events of a run directory as dicts; a last line still being written is skipped.
+    """All events of a run directory as their JSON objects (for a DataFrame; `read_run_events`
+    types them); a last line still being written is skipped.
 
     FileNotFoundError when the run has no events.jsonl.
     """
@@ -73,22 +82,19 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
         events += chunk
 
 
-def read_json(path: Path) -> Any:
-    """The JSON in `path`, or None when it is missing or not (yet) valid (binary, too deep,
-    unreadable: labavg.jobs.run_json says which)."""
-    try:
-        return load_json(path)
-    except (OSError, UserError):
-        return None
+def read_run_events(run_dir: Path) -> list[Event]:
+    """All events of a run directory, typed (labavg.base.events); what this labavg cannot read
+    as an event (a type it does not know) is left out. FileNotFoundError without events.jsonl."""
+    return [e for e in map(event_from_dict, read_events(run_dir)) if e is not None]
 
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run directory as found: its config.json and, once it has ended, its summary.json."""
+    """One run directory as found: its settings and, once it has ended, its summary.json."""
 
     path: Path
-    config: dict[str, Any]
-    summary: dict[str, Any] | None
+    config: TrainConfig
+    summary: RunSummary | None
     damaged: str | None = None  # why a summary.json there was not used (file and field)
 
     @property
@@ -96,70 +102,80 @@ class RunRecord:
         return self.path.name
 
 
+def read_run(run_dir: Path) -> RunRecord:
+    """A run directory read back once: its config.json as a TrainConfig and its summary.json
+    as a RunSummary (None until the run has ended). UserError naming the file when its
+    config.json is missing, damaged or from an older labavg; a damaged summary.json is kept
+    in `damaged`, so that a list of runs still shows the run's settings."""
+    run_dir = Path(run_dir)
+    try:
+        config = read_run_config(run_dir / CONFIG)
+    except FileNotFoundError:
+        raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
+    try:
+        return RunRecord(run_dir, config, read_run_summary(run_dir / SUMMARY))
+    except FileNotFoundError:
+        return RunRecord(run_dir, config, None)
+    except (OSError, UserError) as exc:
+        return RunRecord(run_dir, config, None, damaged=str(exc))
+
+
 def list_runs(root: Path) -> list[RunRecord]:
-    """The runs directly under `root`, by name; a directory without config.json is not a run yet."""
+    """The runs directly under `root`, by name; a directory without a readable config.json is
+    not a run (yet)."""
     root = Path(root).expanduser()
     records = []
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
         try:
-            config = read_config_file(run_dir / CONFIG)
+            records.append(read_run(run_dir))
         except (OSError, UserError):
             continue
-        try:
-            records.append(RunRecord(run_dir, config, read_summary_file(run_dir / SUMMARY)))
-        except FileNotFoundError:
-            records.append(RunRecord(run_dir, config, None))
-        except (OSError, UserError) as exc:
-            records.append(RunRecord(run_dir, config, None, damaged=str(exc)))
     return records
 
 
-def effective_k(config: dict[str, Any]) -> int | None:
-    """The minibatches between averaging rounds a config dict trains with (TrainConfig's rule)."""
-    frames, minibatch = config.get("average_every_frames"), config.get("minibatch")
-    if frames is not None and minibatch:
-        return max(1, round(frames / minibatch))
-    return config.get("average_every")
-
-
-def _payload_name(config: dict[str, Any]) -> str:
+def _payload_name(config: TrainConfig) -> str:
     """What a run's rounds send, as summary.json names it: fp32, bf16, fp16, int4/8/16."""
-    payload = config.get("payload", "fp32")
-    return f"int{config.get('payload_bits', 8)}" if payload == "int" else payload
+    return f"int{config.payload_bits}" if config.payload == "int" else config.payload
 
 
-def run_row(name: str, config: dict[str, Any], summary: dict[str, Any] | None) -> dict[str, Any]:
-    """The row every table of runs is cut from: settings from the config, results from the summary.
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def run_row(name: str, config: TrainConfig | None, summary: RunSummary | None) -> dict[str, Any]:
+    """The row every table of runs is cut from (labavg.jobs.columns): settings from the
+    config, results from the summary (its settings first: what the run trained with).
 
     Results are None until the run has a summary; `status` is finished, stopped or
-    running/incomplete.
+    running/incomplete. `config` is None for a summary that does not hold one.
     """
-    s = summary or {}
-    model = config.get("model", {})
-    low, high = s.get("wer_ci") or (None, None)
-    status = "running/incomplete" if summary is None else ("stopped" if s.get("stopped") else "finished")
+    s = summary if summary is not None else RunSummary()
+    cfg = config
+    low, high = s.wer_ci or (None, None)
+    status = "running/incomplete" if summary is None else ("stopped" if s.stopped else "finished")
     return {
-        "run": name, "status": status, "backend": config.get("backend"),
-        "ranks": s.get("ranks", config.get("ranks")),
-        "average_every": s.get("average_every", effective_k(config)),
-        "averaging": s.get("averaging", config.get("averaging", "model")),
-        "reduce": s.get("reduce", config.get("reduce", "allreduce")),
-        "payload": s.get("payload") or _payload_name(config),
-        "optimizer": config.get("optimizer"), "lr": config.get("lr"),
-        "schedule": config.get("schedule"), "pretrain": config.get("pretrain"),
-        "minibatch": config.get("minibatch"), "epochs": config.get("epochs"),
-        "seed": config.get("seed"),
-        "model": f"{model.get('hidden_layers')}x{model.get('hidden_dim')}",
-        "wer": s.get("wer"), "wer_ci_low": low, "wer_ci_high": high, "per": s.get("per"),
-        "cv_frame_accuracy": s.get("cv_frame_accuracy"), "cv_loss": s.get("cv_loss"),
-        "wall_seconds": s.get("wall_seconds"), "compute_seconds": s.get("compute_seconds"),
-        "comm_seconds": s.get("comm_seconds"), "comm_fraction": s.get("comm_fraction"),
-        "bytes_sent": s.get("bytes_sent"),
+        "run": name, "status": status, "backend": _first(cfg and cfg.backend, s.backend),
+        "ranks": _first(s.ranks, cfg and cfg.ranks),
+        "average_every": _first(s.average_every, cfg and cfg.averaging_interval()),
+        "averaging": _first(s.averaging, cfg and cfg.averaging, "model"),
+        "reduce": _first(s.reduce, cfg and cfg.reduce, "allreduce"),
+        "payload": _first(s.payload, cfg and _payload_name(cfg), "fp32"),
+        "optimizer": _first(cfg and cfg.optimizer, s.optimizer),
+        "lr": _first(cfg and cfg.lr, s.lr), "schedule": _first(cfg and cfg.schedule, s.schedule),
+        "pretrain": _first(cfg and cfg.pretrain, s.pretrain),
+        "minibatch": _first(cfg and cfg.minibatch, s.minibatch),
+        "epochs": _first(cfg and cfg.epochs, s.epochs), "seed": cfg and cfg.seed,
+        "model": cfg and f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}",
+        "wer": s.wer, "wer_ci_low": low, "wer_ci_high": high, "per": s.per,
+        "cv_frame_accuracy": s.cv_frame_accuracy, "cv_loss": s.cv_loss,
+        "wall_seconds": s.wall_seconds, "compute_seconds": s.compute_seconds,
+        "comm_seconds": s.comm_seconds, "comm_fraction": s.comm_fraction,
+        "bytes_sent": s.bytes_sent, "steps": s.steps, "averaging_rounds": s.averaging_rounds,
         **_speedup_columns(summary),
     }
 
 
-def _speedup_columns(summary: dict[str, Any] | None) -> dict[str, Any]:
+def _speedup_columns(summary: RunSummary | None) -> dict[str, Any]:
     """A row's speedup, as labavg.jobs.speedup reads it from the summary (None before the run
     ends, and for a summary from before paired measurements)."""
     speedup = speedup_from_summary(summary) if summary is not None else None
@@ -171,9 +187,10 @@ def _speedup_columns(summary: dict[str, Any] | None) -> dict[str, Any]:
             "cores": speedup.cores or None}
 
 
-def summary_row(name: str, summary: dict[str, Any]) -> dict[str, Any]:
-    """`run_row` of a finished run from its summary.json alone (which holds its config)."""
-    return run_row(name, summary.get("config", {}), summary)
+def summary_row(name: str, summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
+    """`run_row` of a finished run from its summary alone (which holds its config)."""
+    summary = as_summary(summary)
+    return run_row(name, summary.config, summary)
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -199,21 +216,21 @@ def _setting_text(key: str, value: Any) -> str:
     return named.get(key, f"{key.split('.')[-1]}={number}")
 
 
-def differing_labels(configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+def differing_labels(configs: dict[str, TrainConfig]) -> dict[str, str]:
     """A label per run made of the settings that differ between the runs ("n2 K=50 lr 0.016").
 
     Ranks, K and learning rate first (what a comparison of averaging varies), then the rest
     in the config's order; the model shape as one setting ("4x512"), K as trained
-    (`effective_k`). Runs whose settings are all equal are told apart by their names.
+    (TrainConfig.averaging_interval). Runs whose settings are all equal are told apart by
+    their names.
     """
     skip = {"out", "average_every", "average_every_frames", "model.hidden_layers",
             "model.hidden_dim"}
     flat = {}
-    for name, config in configs.items():
-        values = {k: v for k, v in flatten_config(config).items() if k not in skip}
-        model = config.get("model", {})
-        values.update(K=effective_k(config),
-                      model=f"{model.get('hidden_layers')}x{model.get('hidden_dim')}")
+    for name, cfg in configs.items():
+        values = {k: v for k, v in flatten_config(to_dict(cfg)).items() if k not in skip}
+        values.update(K=cfg.averaging_interval(),
+                      model=f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}")
         flat[name] = values
     keys: list[str] = []
     for values in flat.values():

@@ -12,8 +12,13 @@ as dicts), `stop()` (all ranks stop together at the next averaging round, with a
     EnginesRun   the ranks of an ipyparallel cluster of MPI engines (labavg.jobs.cluster)
 
 A job's configuration travels as a file (RUN_DIR/.launch.json, removed when the job ends),
-never as re-parsed flags: its ranks run `labavg train --config-json FILE`. `allow_pipes`
-travels on the ranks' command line only, so no file can switch it on.
+never as re-parsed flags: its ranks run `python -m labavg.jobs.rank_main FILE` (RANK_MODULE),
+never the command line. `allow_pipes` travels on the ranks' command line only, so no file can
+switch it on.
+
+Settings are validated here, once per start; the ranks read the launch file back as it is. A
+caller naming problems before any start (the dashboard's form, a sweep's grid) validates
+without starting and passes start_run what it built, not a validated copy.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from labavg.jobs.job_outcome import last_steps, lost_ranks, srun_lost, status_of
 from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
+RANK_MODULE = "labavg.jobs.rank_main"  # what a job's ranks run (`python -m`)
 STOP_FILE = ".stop"
 LAUNCHERS = ("threads", "job", "engines", "slurm")
 
@@ -162,14 +168,21 @@ def _join(thread: threading.Thread, timeout: float | None, what: str) -> None:
 
 
 def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
-    """In a rank started by JobRun: (config, resume, stop file) from its launch file."""
+    """In a rank started by JobRun: (config, resume, stop file) from its launch file, as
+    start_run validated it (only its types are checked again, as it is read back)."""
     path = Path(path)
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the launch file {path}: {exc}") from None
-    cfg = validate(config_from_dict(values.get("config"), str(path)))
+    cfg = config_from_dict(values.get("config"), str(path))
     return cfg, bool(values.get("resume")), values.get("stop_file")
+
+
+def rank_argv(launch_file: Path, *, progress: bool, allow_pipes: bool) -> list[str]:
+    """The arguments after `python` that run one rank of a job from its launch file."""
+    return (["-m", RANK_MODULE, str(launch_file)] + ([] if progress else ["--no-progress"])
+            + (["--allow-pipes"] if allow_pipes else []))
 
 
 def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None,
@@ -227,9 +240,7 @@ class JobRun:
                  "stop_file": str(self._stop_file.resolve())}, indent=2) + "\n")
             self._held.callback(launch_file.unlink, missing_ok=True)
             self._held.callback(self._stop_file.unlink, missing_ok=True)
-            argv = ["-m", "labavg", "train", "--config-json", str(launch_file.resolve())]
-            argv += [] if progress else ["--no-progress"]
-            argv += ["--allow-pipes"] if allow_pipes else []
+            argv = rank_argv(launch_file.resolve(), progress=progress, allow_pipes=allow_pipes)
             # The ranks import the labavg this process runs, whatever their working directory.
             here = str(Path(__file__).resolve().parents[1])
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
@@ -413,7 +424,7 @@ class EnginesRun:
         self._owned = cluster is None
         self.cluster = Cluster.start(cfg.ranks) if cluster is None else cluster
         try:
-            self.handle = self.cluster.submit(cfg, resume=resume)
+            self.handle = self.cluster._submit(cfg, resume=resume)
         except BaseException:
             self._release()
             raise

@@ -34,7 +34,8 @@ from labavg.training.config import TrainConfig, config_from_dict
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
-from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, read_json
+from labavg.jobs.index import CONFIG, EVENTS, SUMMARY
+from labavg.jobs.run_json import RunSummary, read_run_summary
 
 LOCK = ".lock"
 # Set by a launcher that holds the run directory's lock for its ranks (to the resolved path).
@@ -45,6 +46,14 @@ LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
 # sharding and, through lr_scaling, the learning rate.
 RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "log_every",
                     "tensorboard", "watchdog_seconds", "inject_fault", "speedup_pairs")
+
+
+def _summary_or_none(path: Path) -> RunSummary | None:
+    """The summary.json at `path`, or None when it is missing or not (yet) readable."""
+    try:
+        return read_run_summary(path)
+    except (OSError, UserError):
+        return None
 
 
 def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -> None:
@@ -59,10 +68,10 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
         found = latest_step(run_dir)
         if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
-        summary = read_json(run_dir / SUMMARY)
-        if summary is not None and not summary.get("stopped"):
+        summary = _summary_or_none(run_dir / SUMMARY)
+        if summary is not None and not summary.stopped:
             raise UserError(
-                f"--resume: {run_dir} has finished (step {summary.get('steps')}, {SUMMARY}); "
+                f"--resume: {run_dir} has finished (step {summary.steps}, {SUMMARY}); "
                 f"nothing to resume: start a new run with another --out to train more")
         if cfg is not None and launcher_rank() == 0:
             # Once per job: the other ranks learn of a refusal through the start-up agreement.

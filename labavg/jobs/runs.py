@@ -1,8 +1,10 @@
 """Running training into a run directory (labavg.jobs.run_dir): the checks made before any
 rank starts, `run_training` and the decode hand-off.
 
-`run_training` is the consumer the CLI and notebooks call: it iterates the trainer and writes
-the run directory's files (the event log, config.json, summary.json, final.pt).
+`run_training` is one process's part of a run behind start_run (labavg.jobs.launch, the one
+door): it iterates the trainer and writes the run directory's files (the event log,
+config.json, summary.json, final.pt). Only labavg.jobs calls it: a ThreadRun's thread, a job's
+rank (labavg.jobs.rank_main), an engine (labavg.jobs.engine).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,13 @@ from labavg.base.checkpoint import atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
-from labavg.base.events import Event, MinibatchDone, RunFinished, RunStarted, SpeedupPair
+from labavg.base.events import (Event, MinibatchDone, RunFinished, RunStarted, SpeedupPair,
+                                 event_from_dict)
 from labavg.jobs.event_log import EventLog
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
 from labavg.jobs.run_dir import check_run_dir, run_dir_lock
-from labavg.jobs.summary import make_summary, read_summary
+from labavg.jobs.run_json import RunSummary
+from labavg.jobs.summary import load_summary, make_summary
 
 
 def open_source(cfg: TrainConfig, allow_pipes: bool = False):
@@ -122,9 +127,8 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                 pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
             elif isinstance(event, RunFinished) and event.rank == 0:
                 summary = make_summary(cfg, started[0], event, pairs,
-                                       {"start": load_start, "end": os.getloadavg()[0]})
-                summary["resumed"] = resume
-                atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+                                       {"start": load_start, "end": os.getloadavg()[0]}, resume)
+                _write_summary(run_dir, summary)
     except Exception as exc:
         _throw_into(events, exc)
         raise
@@ -144,9 +148,14 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
         # decoding take minutes, and a failed decode must not lose the training result above.
         from labavg.decode.run import export_and_decode
 
-        summary.update(export_and_decode(run_dir, cfg, opened["source"], cfg.decode_data))
-        atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-    return summary
+        summary = replace(summary, **export_and_decode(run_dir, cfg, opened["source"],
+                                                       cfg.decode_data))
+        _write_summary(run_dir, summary)
+    return None if summary is None else summary.to_dict()
+
+
+def _write_summary(run_dir: Path, summary: RunSummary) -> None:
+    atomic_write_text(run_dir / SUMMARY, json.dumps(summary.to_dict(), indent=2) + "\n")
 
 
 def _throw_into(events: Iterator[Event], exc: Exception) -> None:
@@ -169,16 +178,16 @@ def _pairs_logged(run_dir: Path) -> list[tuple[float, float]]:
     """The speedup pairs already in the run's event log (of its part before a resume)."""
     tail, pairs = EventTail(run_dir / EVENTS), []
     while chunk := tail.read():
-        pairs += [(e["solo_step_seconds"], e["parallel_step_seconds"]) for e in chunk
-                  if e.get("type") == SpeedupPair.type and e.get("rank") == 0]
+        pairs += [(e.solo_step_seconds, e.parallel_step_seconds) for e in map(event_from_dict, chunk)
+                  if isinstance(e, SpeedupPair) and e.rank == 0]
     return pairs
 
 
 def decode_pending(run_dir: Path) -> bool:
     """A finished run asked to decode whose decode did not finish (stopped while it ran)."""
-    summary = read_summary(run_dir)
-    wanted = (summary.get("config") or {}).get("decode_data")
-    return wanted is not None and summary.get("wer") is None
+    summary = load_summary(run_dir)
+    return summary.config is not None and summary.config.decode_data is not None \
+        and summary.wer is None
 
 
 def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]:
@@ -187,11 +196,10 @@ def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
-        summary = read_summary(run_dir)
-        summary.update(export_and_decode(run_dir, cfg, open_source(cfg, allow_pipes),
-                                         cfg.decode_data))
-        atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
-    return summary
+        summary = replace(load_summary(run_dir), **export_and_decode(
+            run_dir, cfg, open_source(cfg, allow_pipes), cfg.decode_data))
+        _write_summary(run_dir, summary)
+    return summary.to_dict()
 
 
 def _progress_bar(event: RunStarted, cfg: TrainConfig):

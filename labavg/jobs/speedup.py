@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from labavg.jobs.run_json import RunSummary, as_summary
+
 # Backends whose ranks are threads of one process (one interpreter, one lock between ops).
 THREAD_BACKENDS = ("inproc",)
 
@@ -121,20 +123,18 @@ def speedup_from_events(events: Iterable[Mapping[str, Any]]) -> Speedup | None:
                             started.get("load"), _threads(started.get("backend")))
 
 
-def speedup_from_summary(summary: Mapping[str, Any]) -> Speedup | None:
+def speedup_from_summary(summary: RunSummary | Mapping[str, Any]) -> Speedup | None:
     """The speedup summary.json records (None for a summary written before pairs existed)."""
-    ranks = summary.get("ranks")
-    if not isinstance(ranks, int) or ranks < 1:
+    s = as_summary(summary)
+    if not isinstance(s.ranks, int) or s.ranks < 1:
         return None
-    pairs = summary.get("speedup_pairs")
-    if ranks > 1 and not isinstance(pairs, list):
+    if s.ranks > 1 and not isinstance(s.speedup_pairs, list):
         return None
-    cores = summary.get("cores")
-    load = (summary.get("load_average") or {}).get("start")
-    return measured_speedup([tuple(p) for p in pairs or []], ranks,
-                            cores if isinstance(cores, int) else 0,
+    load = s.load_at_start
+    return measured_speedup([tuple(p) for p in s.speedup_pairs or []], s.ranks,
+                            s.cores if isinstance(s.cores, int) else 0,
                             load if isinstance(load, (int, float)) else None,
-                            _threads(summary.get("backend")))
+                            _threads(s.backend))
 
 
 def summary_fields(speedup: Speedup) -> dict[str, Any]:

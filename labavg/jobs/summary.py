@@ -3,19 +3,18 @@ of summaries."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from labavg.training.config import TrainConfig
-from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
+from labavg.jobs.columns import markdown_table
 from labavg.jobs.index import SUMMARY, summary_row
 from labavg.jobs.speedup import (THREAD_BACKENDS, measured_speedup, speedup_from_summary,
                                  summary_fields)
-from labavg.jobs.run_json import read_summary_file
+from labavg.jobs.run_json import RunSummary, as_summary, read_run_summary, read_summary_file
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
@@ -27,11 +26,21 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
 
 
+def load_summary(run_dir: Path) -> RunSummary:
+    """summary.json of a finished run as a RunSummary; UserError naming the path otherwise."""
+    path = Path(run_dir) / SUMMARY
+    try:
+        return read_run_summary(path)
+    except FileNotFoundError:
+        raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
+
+
 def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
-                 pairs: list[tuple[float, float]], load: dict[str, float]) -> dict[str, Any]:
+                 pairs: list[tuple[float, float]], load: dict[str, float],
+                 resumed: bool = False) -> RunSummary:
     """The summary.json of a run, with its speedup measured in `pairs` (labavg.jobs.speedup)
     and the load averages at its start and end."""
-    summary: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "ranks": started.size,
         "backend": cfg.backend,
         "average_every": started.average_every,
@@ -73,11 +82,12 @@ def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
         "cores": started.cores,
         "load_average": load,
         "speedup_pairs": [list(p) for p in pairs],
-        "config": to_dict(cfg),
+        "config": cfg,
+        "resumed": resumed,
     }
-    summary.update(summary_fields(measured_speedup(
+    fields.update(summary_fields(measured_speedup(
         pairs, started.size, started.cores, load.get("start"), started.backend in THREAD_BACKENDS)))
-    return summary
+    return RunSummary(**fields)
 
 
 def comm_hidden_fraction(finished: RunFinished) -> float | None:
@@ -93,61 +103,33 @@ def comm_hidden_fraction(finished: RunFinished) -> float | None:
                   / (blocking_seconds / blocking_bytes))
 
 
-def format_table(summaries: Iterable[dict[str, Any]]) -> str:
-    """A Markdown table of run summaries (one row per run); error rates when the run decoded."""
-    cols = [("run", "run"), ("ranks", "ranks"), ("K", "average_every"), ("opt", "optimizer"),
-            ("lr", "lr"), ("epochs", "epochs"), ("method", "averaging"),
-            ("WER % (95% CI)", "wer"), ("PER %", "per"),
-            ("cv acc %", "cv_frame_accuracy"), ("cv loss", "cv_loss"), ("wall s", "wall_seconds"),
-            ("comm %", "comm_fraction"), ("speedup (range)", "speedup"), ("cores", "cores"),
-            ("efficiency %", "parallel_efficiency"), ("stopped", "status")]
-    summaries = list(summaries)
-    rows = [{**summary_row(s.get("run"), s), "run": s.get("run")} for s in summaries]
-    if not any(r["wer"] is not None for r in rows):
-        cols = [c for c in cols if c[1] not in ("wer", "per")]
-    if any(r["reduce"] not in (None, "allreduce") for r in rows):
-        # Only then: the column would repeat the default in every table of plain runs.
-        cols.insert(cols.index(("method", "averaging")) + 1, ("reduce", "reduce"))
-    if any(r["payload"] not in (None, "fp32") for r in rows):
-        cols.insert(cols.index(("method", "averaging")) + 1, ("payload", "payload"))
-
-    def cell(key: str, row: dict[str, Any]) -> str:
-        value = row[key]
-        if value is None:
-            return "-"
-        if key == "wer":
-            low, high = (row["wer_ci_low"], row["wer_ci_high"]) if row["wer_ci_low"] is not None \
-                else (math.nan, math.nan)
-            return f"{value:.2f} ({low:.2f}-{high:.2f})"
-        if key == "per":
-            return f"{value:.2f}"
-        if key == "speedup":  # the pairs' range; a flag (oversubscribed, above the bound) below
-            spread = f" ({row['speedup_low']:.2f}-{row['speedup_high']:.2f})" \
-                if row["ranks"] != 1 else ""
-            return f"{value:.2f}{spread}" + (" *" if row["speedup_flag"] else "")
-        if key in ("cv_frame_accuracy", "comm_fraction"):
-            return f"{100 * value:.2f}"
-        if key == "parallel_efficiency":  # a percentage, as the dashboard shows it
-            return f"{100 * value:.0f}"
-        if key == "status":
-            return "yes" if value == "stopped" else "no"
-        if key == "lr":
-            return f"{value:g}"
-        if isinstance(value, float):
-            return "nan" if math.isnan(value) else f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
-        return str(value)
-
-    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-    for row in rows:
-        lines.append("| " + " | ".join(cell(k, row) for _, k in cols) + " |")
-    return "\n".join(lines + _speedup_notes(summaries))
+# `labavg info`'s columns (labavg.jobs.columns); WER and PER only when a run decoded, reduce
+# and payload only when a run did not use the default (they would repeat it in every row).
+INFO_COLUMNS = ("run", "ranks", "average_every", "optimizer", "lr", "epochs", "averaging",
+                "reduce", "payload", "wer_with_ci", "per", "cv_acc_pct", "cv_loss",
+                "wall_seconds", "comm_pct", "speedup_with_range", "cores", "efficiency_pct",
+                "stopped")
 
 
-def _speedup_notes(summaries: list[dict[str, Any]]) -> list[str]:
+def format_table(summaries: Iterable[Mapping[str, Any]]) -> str:
+    """A Markdown table of runs (one row each): summary.json's objects, each with the run's
+    name under "run" (as `labavg train` and `labavg info` print them); error rates when a run
+    decoded."""
+    named = [(str(item.get("run")), as_summary(item)) for item in summaries]
+    rows = [summary_row(name, summary) for name, summary in named]
+    shown = {"wer_with_ci": any(r["wer"] is not None for r in rows),
+             "per": any(r["wer"] is not None for r in rows),
+             "reduce": any(r["reduce"] not in (None, "allreduce") for r in rows),
+             "payload": any(r["payload"] not in (None, "fp32") for r in rows)}
+    keys = [k for k in INFO_COLUMNS if shown.get(k, True)]
+    return "\n".join([markdown_table(keys, rows)] + _speedup_notes(named))
+
+
+def _speedup_notes(named: list[tuple[str, RunSummary]]) -> list[str]:
     """Below the table, each multi-rank run's speedup in full: its pairs, cores, load, flag."""
     notes = []
-    for s in summaries:
-        speedup = speedup_from_summary(s)
+    for name, summary in named:
+        speedup = speedup_from_summary(summary)
         if speedup is not None and speedup.ranks > 1:
-            notes.append(f"{'*' if speedup.flag else ''}speedup of {s.get('run')}: {speedup.text()}")
+            notes.append(f"{'*' if speedup.flag else ''}speedup of {name}: {speedup.text()}")
     return [""] + notes if notes else []

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal, Sequence
 
 from labavg.base.errors import UserError
+from labavg.jobs.run_json import RunSummary, as_summary
 
 Algorithm = Literal["ring", "recursive_doubling", "rabenseifner"]
 ALGORITHMS: tuple[Algorithm, ...] = ("ring", "recursive_doubling", "rabenseifner")
@@ -170,31 +172,34 @@ class MeasuredCosts:
         return float(self.num_params * self.bytes_per_param)
 
 
-def from_summary(summary: dict[str, Any]) -> MeasuredCosts:
-    """MeasuredCosts of a labavg run from its summary.json dict (labavg/jobs/runs.py: make_summary).
+def from_summary(summary: RunSummary | Mapping[str, Any]) -> MeasuredCosts:
+    """MeasuredCosts of a labavg run from its summary (labavg.jobs.run_json.RunSummary, or
+    summary.json's object).
 
     compute per minibatch = compute_seconds / steps; allreduce = comm_seconds / averaging_rounds;
     frames per epoch = frames_trained / epochs (all ranks; short if the run stopped early).
     """
-    need = ("compute_seconds", "comm_seconds", "steps", "averaging_rounds", "num_params",
-            "minibatch", "ranks")
-    missing = [k for k in need if summary.get(k) is None]
+    s = as_summary(summary)
+    need = {"compute_seconds": s.compute_seconds, "comm_seconds": s.comm_seconds,
+            "steps": s.steps, "averaging_rounds": s.averaging_rounds,
+            "num_params": s.num_params, "minibatch": s.minibatch, "ranks": s.ranks}
+    missing = [k for k, v in need.items() if v is None]
     if missing:
         raise UserError(f"summary.json lacks {missing}: not a finished labavg run summary")
-    steps, rounds = int(summary["steps"]), int(summary["averaging_rounds"])
+    steps, rounds = int(s.steps), int(s.averaging_rounds)
     if steps < 1:
         raise UserError(f"summary.json: steps={steps}, need at least one minibatch to measure "
                         "compute")
-    if int(summary["ranks"]) > 1 and rounds < 1:
-        raise UserError(f"summary.json: averaging_rounds={rounds} with ranks={summary['ranks']}: "
+    if int(s.ranks) > 1 and rounds < 1:
+        raise UserError(f"summary.json: averaging_rounds={rounds} with ranks={s.ranks}: "
                         "no allreduce was measured")
-    ranks, minibatch = int(summary["ranks"]), int(summary["minibatch"])
-    frames = summary.get("frames_trained") or steps * minibatch * ranks
-    epochs = summary.get("epochs") or 1
+    ranks, minibatch = int(s.ranks), int(s.minibatch)
+    frames = s.frames_trained or steps * minibatch * ranks
+    epochs = s.epochs or 1
     return MeasuredCosts(
-        compute_per_minibatch_s=float(summary["compute_seconds"]) / steps,
-        allreduce_s=float(summary["comm_seconds"]) / max(rounds, 1),
-        num_params=int(summary["num_params"]),
+        compute_per_minibatch_s=float(s.compute_seconds) / steps,
+        allreduce_s=float(s.comm_seconds) / max(rounds, 1),
+        num_params=int(s.num_params),
         minibatch=minibatch,
         ranks=ranks,
         frames_per_epoch=float(frames) / float(epochs),

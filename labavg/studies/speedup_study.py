@@ -16,6 +16,7 @@ from typing import Any
 from labavg.base.errors import UserError
 from labavg.base.machine import usable_cores
 from labavg.base.settings import with_overrides
+from labavg.jobs.run_json import RunSummary
 from labavg.jobs.speedup import Speedup, measured_speedup, speedup_from_summary
 from labavg.studies import costmodel
 from labavg.training.config import TrainConfig
@@ -60,7 +61,7 @@ def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (
                         on_event(event)
                 time.sleep(0.2)
             summary = handle.wait()
-        speedup = speedup_from_summary(summary or {})
+        speedup = speedup_from_summary(summary) if summary is not None else None
         if speedup is None:
             raise UserError(f"{run_dir}: the run wrote no speedup")
         results.append(speedup)
@@ -73,9 +74,9 @@ def scaling_points(speedups: Sequence[Speedup], run_dirs: Sequence[Path] = ()) -
     costs, k = None, None
     for run_dir in run_dirs:  # the first finished multi-rank run: its costs and its K
         summary = _finished(Path(run_dir))
-        if summary is not None and summary.get("ranks", 1) > 1:
+        if summary is not None and (summary.ranks or 1) > 1:
             costs = costmodel.from_summary(summary)
-            k = summary["average_every"] if isinstance(summary.get("average_every"), int) else None
+            k = summary.average_every if isinstance(summary.average_every, int) else None
             break
     points = []
     for s in speedups:
@@ -86,9 +87,9 @@ def scaling_points(speedups: Sequence[Speedup], run_dirs: Sequence[Path] = ()) -
     return points
 
 
-def _finished(run_dir: Path) -> dict[str, Any] | None:
-    from labavg.jobs.summary import read_summary
+def _finished(run_dir: Path) -> RunSummary | None:
+    from labavg.jobs.summary import load_summary
 
     if not (run_dir / "summary.json").is_file():
         return None
-    return read_summary(run_dir)
+    return load_summary(run_dir)

@@ -36,19 +36,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tabulate import tabulate
+
 from labavg.base.checkpoint import atomic_write_text, latest_step
 from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict, with_overrides
 from labavg.base.errors import UserError
+from labavg.jobs.columns import Column, columns, csv_row, markdown_table
 from labavg.jobs.index import SUMMARY, flatten_config, summary_row
 from labavg.jobs.run_dir import RunDirBusy, lock_held, run_dir_lock
 from labavg.jobs.runs import decode_pending, finish_decode
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 
-COLUMNS = ("name", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer", "pretrain",
-           "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per", "cv_frame_accuracy",
-           "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds", "bytes_sent", "speedup",
-           "speedup_low", "speedup_high", "cores", "parallel_efficiency", "speedup_flag")
+# results.csv's and results.md's columns (labavg.jobs.columns); run_sweep's rows hold each
+# run's whole row (labavg.jobs.index.run_row) and its point's name.
+COLUMNS = ("run", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer",
+           "pretrain", "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per",
+           "cv_acc_pct", "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds",
+           "bytes_sent", "speedup", "speedup_low", "speedup_high", "cores", "efficiency_pct",
+           "speedup_flag")
 
 
 # A grid with more points than this is refused unless asked for (`labavg sweep --max-points`):
@@ -213,12 +219,12 @@ def run_sweep(
     print(plan_line(points, out), flush=True)
     for name, overrides in points:
         run_dir = out / "runs" / name
-        cfg = validate(with_overrides(sweep.base, {**overrides, "out": str(run_dir)}))
+        # Validated by load_sweep (every point) and by start_run (the one that starts).
+        cfg = with_overrides(sweep.base, {**overrides, "out": str(run_dir)})
         record = (recorded or {}).get(name)
         if record is not None and not (run_dir / SUMMARY).is_file() \
                 and _same_settings(record["settings"], cfg):
-            row = summary_row(name, record["summary"])
-            rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
+            rows.append({"name": name, **summary_row(name, record["summary"])})
             kept += 1
             continue
         try:
@@ -229,13 +235,11 @@ def run_sweep(
         except RunDirBusy:
             elsewhere.append(name)
             continue
-        row = summary_row(name, read_summary(run_dir))
-        rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
+        rows.append({"name": name, **summary_row(name, load_summary(run_dir))})
         write_results(rows, out)
     for name in elsewhere:  # trained by the other sweep meanwhile?
         if (out / "runs" / name / SUMMARY).is_file():
-            row = summary_row(name, read_summary(out / "runs" / name))
-            rows.append({"name": name, **{k: row[k] for k in COLUMNS if k != "name"}})
+            rows.append({"name": name, **summary_row(name, load_summary(out / "runs" / name))})
     write_results(rows, out)
     if kept:
         print(f"labavg sweep: {kept} point(s) recorded as finished elsewhere were not trained "
@@ -254,7 +258,7 @@ def plan_line(points: list[tuple[str, dict[str, Any]]], out: Path) -> str:
     walls = []
     for name, _ in points:
         try:
-            wall = read_summary(out / "runs" / name).get("wall_seconds")
+            wall = load_summary(out / "runs" / name).wall_seconds
         except UserError:
             continue
         if isinstance(wall, (int, float)) and wall > 0:
@@ -300,37 +304,39 @@ def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None
 def write_results(rows: list[dict[str, Any]], out: Path) -> None:
     """results.csv (one row per run) and results.md (the same, plus means over seeds)."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows(csv_row(COLUMNS, row) for row in rows)
     atomic_write_text(out / "results.csv", buf.getvalue())
     atomic_write_text(out / "results.md", format_results(rows))
 
 
 def format_results(rows: list[dict[str, Any]]) -> str:
     """Markdown: every run, then the mean and spread of CV accuracy over seeds per setting."""
-    def fmt(v: Any) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLUMNS) + " |" for r in rows]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         key = "-".join(p for p in r["name"].split("-") if not p.startswith("seed_"))
         groups.setdefault(key, []).append(r)
+    acc, wer = columns(("cv_acc_pct", "wer"))
     decoded = any(r.get("wer") is not None for r in rows)
-    lines += ["", "| setting | seeds | CV frame accuracy % (mean) | spread (min-max) |"
-              + (" WER % (mean) | spread (min-max) |" if decoded else ""),
-              "|---|---|---|---|" + ("---|---|" if decoded else "")]
+    means = []
     for key, group in groups.items():
-        accs = [100 * r["cv_frame_accuracy"] for r in group]
-        line = (f"| {key} | {len(accs)} | {statistics.mean(accs):.2f} | "
-                f"{min(accs):.2f}-{max(accs):.2f} |")
-        wers = [r["wer"] for r in group if r.get("wer") is not None]
+        line = [key, len(group), *_mean_and_spread(acc, group)]
         if decoded:
-            line += (f" {statistics.mean(wers):.2f} | {min(wers):.2f}-{max(wers):.2f} |" if wers
-                     else " - | - |")
-        lines.append(line)
-    return "\n".join(lines) + "\n"
+            line += _mean_and_spread(wer, group)
+        means.append(line)
+    header = ["setting", "seeds", f"{acc.title} (mean)", "spread (min-max)"]
+    if decoded:
+        header += [f"{wer.title} (mean)", "spread (min-max)"]
+    return (markdown_table(COLUMNS, rows) + "\n\n"
+            + tabulate(means, headers=header, tablefmt="github", disable_numparse=True,
+                       colalign=["left"] + ["right"] * (len(header) - 1)) + "\n")
+
+
+def _mean_and_spread(column: Column, rows: list[dict[str, Any]]) -> list[str]:
+    """The mean of a column over `rows` and its range, as the column shows a value."""
+    values = [v for v in (column.value(r) for r in rows) if v is not None]
+    if not values:
+        return ["-", "-"]
+    return [column.text(statistics.mean(values)),
+            f"{column.text(min(values))}-{column.text(max(values))}"]

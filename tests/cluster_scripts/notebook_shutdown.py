@@ -17,6 +17,7 @@ from pathlib import Path
 from IPython.core.interactiveshell import InteractiveShell
 
 from labavg.jobs.cluster import Cluster
+from labavg.jobs.launch import start_run
 from labavg.data.settings import DataConfig
 from labavg.training.config import TrainConfig
 from labavg.training.settings import ModelConfig
@@ -28,7 +29,7 @@ async def notebook(corpus: Path, work: Path) -> None:
                       average_every=2, model=ModelConfig(hidden_layers=1, hidden_dim=32),
                       data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
                       tensorboard=False)
-    cluster.submit(cfg).wait(timeout=120)
+    start_run(cfg, cluster=cluster).wait(timeout=120)
     cluster.view.execute("import os; seen = os.getpid()")
     (work / "pids.json").write_text(json.dumps(cluster.process_ids()))
     await asyncio.sleep(0.5)

@@ -61,7 +61,7 @@ def _points(runs: list[Run]) -> list[tuple[int, int, str, str]]:
 
 
 def _mb(run: Run) -> float | None:
-    sent = run.summary.get("bytes_sent")
+    sent = run.summary.bytes_sent
     return None if sent is None else sent / 1e6
 
 
@@ -75,7 +75,7 @@ def compare(better: dict[int, Run], worse: dict[int, Run],
     """The paired gain of `better` over the reference `worse` per seed (WER: 100 x ln of the
     reference's over its; frame accuracy, where higher is better: it minus the reference, in
     points) and the rule's word for it: "better", "worse", "same" or unresolved."""
-    if metric == "cv_frame_accuracy":
+    if metric == "cv_acc_pct":
         diff, margin = spread(paired(worse, better, metric)), ACCURACY_MARGIN
     else:
         diff, margin = spread(paired(better, worse, metric, log=True)), WER_MARGIN
@@ -89,10 +89,10 @@ def table(runs: list[Run], one_worker: dict[int, Run]) -> list[str]:
     rows = []
     if one_worker:
         rows.append((1, "-", "-", "-", len(one_worker), _mean_sd(_stat(one_worker, "wer")),
-                     _mean_sd(_stat(one_worker, "cv_frame_accuracy")), 0, 0, "-", "reference"))
+                     _mean_sd(_stat(one_worker, "cv_acc_pct")), 0, 0, "-", "reference"))
     for ranks, k, method, payload in _points(runs):
         cell = _cell(runs, ranks, k, method, payload)
-        rounds = [r.summary.get("averaging_rounds") for r in cell.values()]
+        rounds = [r.summary.averaging_rounds for r in cell.values()]
         rounds = [x for x in rounds if x is not None]
         if method == "model" and payload == "fp32":
             gain, word = "-", "reference"
@@ -100,7 +100,7 @@ def table(runs: list[Run], one_worker: dict[int, Run]) -> list[str]:
             diff, word = compare(cell, _cell(runs, ranks, k, "model"))
             gain = _interval(diff, 1)
         rows.append((ranks, k, _LABELS.get(method, method), payload, len(cell),
-                     _mean_sd(_stat(cell, "wer")), _mean_sd(_stat(cell, "cv_frame_accuracy")),
+                     _mean_sd(_stat(cell, "wer")), _mean_sd(_stat(cell, "cv_acc_pct")),
                      _num(_mean_mb(cell), 1), round(sum(rounds) / len(rounds)) if rounds else "-",
                      gain, word))
     return markdown_table(
@@ -130,7 +130,7 @@ def verdicts(runs: list[Run]) -> list[tuple[str, str]]:
                 cell = _cell(runs, ranks, k, method)
                 if not cell:
                     continue
-                diff, word = compare(cell, _cell(runs, ranks, k, "model"), "cv_frame_accuracy")
+                diff, word = compare(cell, _cell(runs, ranks, k, "model"), "cv_acc_pct")
                 out.append((f"{_SHORT[method]} vs model, {ranks} workers, K = {k}, CV frame "
                             "accuracy", f"{word}: {_interval(diff)} points"))
         for method in METHODS:
@@ -234,7 +234,7 @@ def fix_sentence(runs: list[Run]) -> str:
         found = []
         for ranks in workers:
             cell, ref = _cell(runs, ranks, PAPER_K, method), _cell(runs, ranks, PAPER_K, "model")
-            acc, word = compare(cell, ref, "cv_frame_accuracy")
+            acc, word = compare(cell, ref, "cv_acc_pct")
             wer, wer_word = compare(cell, ref)
             if not cell or not ref or word != "better":
                 break

@@ -102,7 +102,7 @@ def effect(runs: list[Run], base: dict[str, Any], pair: Pair) -> Effect:
     better = select(runs, **fixed, **{pair.vary: pair.better})
     worse = select(runs, **fixed, **{pair.vary: pair.worse})
     return Effect(pair, (better, worse), tuple(paired(better, worse, "wer", log=True)),
-                  spread(paired(worse, better, "cv_frame_accuracy")))
+                  spread(paired(worse, better, "cv_acc_pct")))
 
 
 def base_settings(runs: list[Run], sweep_file: Path | None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def headline_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
 
 def _ci_of_runs(runs: dict[int, Run]) -> str:
     """The test-set 95 % interval of WER (bootstrap over utterances), averaged over seeds."""
-    cis = [r.summary["wer_ci"] for r in runs.values() if r.summary.get("wer_ci")]
+    cis = [r.summary.wer_ci for r in runs.values() if r.summary.wer_ci]
     if not cis:
         return "-"
     return f"{statistics.fmean(c[0] for c in cis):.2f}-{statistics.fmean(c[1] for c in cis):.2f}"
@@ -52,7 +52,7 @@ def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
         rows.append((
             n, len(here), "-" if updates is None else f"{updates.mean:,.0f}",
             mean_sd(stat(here, "wer")), _ci_of_runs(here), mean_sd(stat(here, "per")),
-            mean_sd(stat(here, "cv_frame_accuracy")), percent(trace_stat(here, "max_change_limited")),
+            mean_sd(stat(here, "cv_acc_pct")), percent(trace_stat(here, "max_change_limited")),
             "-" if e is None else interval(e.wer, 1),
             f"{paper}" if e is None else f"{paper} ({e.pair.paper_effect:+.1f} %)",
             "-" if e is None else e.verdict))
@@ -69,7 +69,7 @@ def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
     rows = []
     for i, (value, here) in enumerate(zip((pair.better, pair.worse), e.sides)):
         rows.append((value, len(here), mean_sd(stat(here, "wer")), _ci_of_runs(here),
-                     mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_frame_accuracy")),
+                     mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct")),
                      "-" if pair.paper is None else str(pair.paper[i])))
     table = markdown_table((pair.vary, "seeds", "WER % (mean ± sd)", "test-set 95 % CI", "PER %",
                             "CV frame acc %", "paper WER %"), rows)
@@ -96,10 +96,9 @@ def probe_section(runs: dict[str, list[Run]], base: dict[str, Any], probe: Probe
             change = spread(paired(found[against], here, "wer", log=True))
             diff, word = f"{interval(change, 1)} vs {against}", verdict(change)
             word = {POSITIVE: "higher WER", NEGATIVE: "lower WER", ZERO: "same WER"}.get(word, word)
-        lrs = [r.summary.get("trace", {}).get("epochs", [{}])[-1].get("lr") for r in here.values()
-               if r.summary.get("trace", {}).get("epochs")]
+        lrs = [r.trace["epochs"][-1].get("lr") for r in here.values() if r.trace.get("epochs")]
         rows.append((label, len(here), mean_sd(stat(here, "wer")), diff, word,
-                     mean_sd(stat(here, "cv_frame_accuracy")),
+                     mean_sd(stat(here, "cv_acc_pct")),
                      percent(trace_stat(here, "max_change_limited")),
                      "-" if not lrs else f"{statistics.fmean(lrs):.2g}"))
     return [f"### {probe.title}", "", probe.question, ""] + markdown_table(
@@ -119,8 +118,8 @@ def schedule_trace(runs: list[Run], base: dict[str, Any]) -> list[str]:
     nb = select(runs, **fixed, ranks=16, schedule="newbob").get(0)
     if exp is None or nb is None:
         return ["(seed 0 of both schedules not finished yet)"]
-    e_ep = exp.summary.get("trace", {}).get("epochs", [])
-    n_ep = nb.summary.get("trace", {}).get("epochs", [])
+    e_ep = exp.trace.get("epochs", [])
+    n_ep = nb.trace.get("epochs", [])
     rows = []
     for i in range(max(len(e_ep), len(n_ep))):
         e = e_ep[i] if i < len(e_ep) else {}
@@ -138,7 +137,7 @@ def yesno_section(runs: list[Run], facts: dict[str, Any], sweep_file: Any) -> li
     for n, opt in sorted({(r.get("ranks"), r.get("optimizer")) for r in runs}):
         here = select(runs, ranks=n, optimizer=opt)
         rows.append((n, opt, len(here), mean_sd(stat(here, "wer")), _ci_of_runs(here),
-                     mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_frame_accuracy"))))
+                     mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct"))))
     return ["## Real data: Kaldi's yesno recipe", "", yesno_sentence(runs, facts, sweep_file),
             ""] + markdown_table(("workers", "optimizer", "seeds", "WER % (mean ± sd)",
                                   "test-set 95 % CI", "PER %", "CV frame acc %"), rows)

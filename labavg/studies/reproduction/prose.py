@@ -60,7 +60,7 @@ def pair_sentence(e: Effect) -> str:
 
 
 def _sum_wall(*groups: list[Run]) -> float:
-    return sum(r.summary.get("wall_seconds") or 0.0 for g in groups for r in g)
+    return sum(r.summary.wall_seconds or 0.0 for g in groups for r in g)
 
 
 def seeds_per_point(runs: list[Run]) -> str:

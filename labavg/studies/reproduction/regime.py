@@ -61,12 +61,12 @@ def point(corpus: str, hours: float, these: dict[int, Run], one: dict[int, Run])
     any_run = next(iter(these.values()))
     n = any_run.get("ranks")
     k, mb = any_run.get("average_every") or 1, any_run.get("minibatch") or 1
-    loss = (spread(paired(one, these, "cv_frame_accuracy")) if n > 1
+    loss = (spread(paired(one, these, "cv_acc_pct")) if n > 1
             else Spread(0.0, 0.0, len(one), 0.0, 0.0))
     return MapPoint(corpus, hours, n, len(these), stat(these, "steps").mean,
                     stat(these, "averaging_rounds").mean, n * k * mb,
                     (any_run.get("lr") or math.nan) * _lr_factor(any_run),
-                    trace_stat(these, "max_change_limited"), stat(these, "cv_frame_accuracy"), loss)
+                    trace_stat(these, "max_change_limited"), stat(these, "cv_acc_pct"), loss)
 
 
 def regime_points(runs: list[Run]) -> list[MapPoint]:
@@ -230,7 +230,7 @@ def variants(variable_runs: list[Run], map_runs: list[Run]) -> list[Variant]:
         hours = group[0].get("corpus_hours") or math.nan
         out.append(Variant(change, n, data, point(data, hours, these, one),
                            point(data, hours, base, one),
-                           spread(paired(base, these, "cv_frame_accuracy"))))
+                           spread(paired(base, these, "cv_acc_pct"))))
     return out
 
 

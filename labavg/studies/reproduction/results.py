@@ -11,14 +11,18 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError
+from labavg.base.events import EpochDone, MinibatchDone, event_from_dict
 from labavg.base.json_files import MAX_DEPTH, OBJECT, TEXT, check_fields, nesting_depth
+from labavg.jobs.columns import COLUMNS
+from labavg.base.settings import to_dict
 from labavg.jobs.index import flatten_config, list_runs
-from labavg.jobs.run_json import SUMMARY_FIELDS
+from labavg.jobs.run_json import SUMMARY_FIELDS, RunSummary, summary_of
 from labavg.studies.reproduction.verdicts import Spread, log_ratio, spread
 
 RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
@@ -26,11 +30,13 @@ RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the 
 
 @dataclass(frozen=True)
 class Run:
-    """One finished run: its settings (flattened, dotted keys) and summary.json."""
+    """One finished run: its settings (flattened, dotted keys) and its summary as recorded
+    (summary.json's object and its event `trace`, as the results file keeps it; read through
+    `summary` and `trace`)."""
 
     name: str
     settings: dict[str, Any]
-    summary: dict[str, Any]
+    recorded: dict[str, Any]
 
     def get(self, key: str) -> Any:
         return self.settings.get(key)
@@ -39,11 +45,21 @@ class Run:
     def seed(self) -> int:
         return int(self.settings["seed"])
 
-    def metric(self, name: str) -> float | None:
-        value = self.summary.get(name)
+    @cached_property
+    def summary(self) -> RunSummary:
+        return summary_of(self.recorded, f"run {self.name}")
+
+    @property
+    def trace(self) -> dict[str, Any]:
+        """What `run_trace` kept of the run's events ({} for a run recorded without one)."""
+        return self.recorded.get("trace") or {}
+
+    def metric(self, key: str) -> float | None:
+        """A column's number (labavg.jobs.columns: "wer", "cv_acc_pct", "steps"), in its unit."""
+        value = COLUMNS[key].measure(self.recorded)
         if value is None or not math.isfinite(value):
             return None
-        return 100.0 * value if name == "cv_frame_accuracy" else float(value)
+        return float(value)
 
 
 def load_runs(sweep_dir: Path) -> list[Run]:
@@ -52,12 +68,12 @@ def load_runs(sweep_dir: Path) -> list[Run]:
     if not (sweep_dir / "runs").is_dir():
         return runs
     for record in list_runs(sweep_dir / "runs"):
-        if record.summary is None or record.summary.get("stopped"):
+        if record.summary is None or record.summary.stopped:
             continue
-        settings = flatten_config(record.summary.get("config") or {})
+        settings = flatten_config(to_dict(record.summary.config or record.config))
         settings["corpus_hours"] = corpus_hours(settings.get("data.data") or "")
-        summary = {**record.summary, "trace": run_trace(record.path)}
-        runs.append(Run(record.name, settings, summary))
+        recorded = {k: v for k, v in record.summary.to_dict().items() if k != "config"}
+        runs.append(Run(record.name, settings, {**recorded, "trace": run_trace(record.path)}))
     return runs
 
 
@@ -73,17 +89,18 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
         if '"rank": 0,' not in line:
             continue
         try:
-            event = json.loads(line)
+            event = event_from_dict(json.loads(line))
         except ValueError:
             continue  # a line cut by a crash
-        if event.get("type") == "epoch":
-            epochs.append({k: event.get(k) for k in ("epoch", "lr", "cv_frame_accuracy", "accepted")})
-        elif event.get("type") == "minibatch" and event.get("applied", True):
+        if isinstance(event, EpochDone):
+            epochs.append({"epoch": event.epoch, "lr": event.lr,
+                           "cv_frame_accuracy": event.cv_frame_accuracy,
+                           "accepted": event.accepted})
+        elif isinstance(event, MinibatchDone) and event.applied:
             logged += 1
-            scale = event.get("max_change_scale", 1.0)
-            if scale < 1.0:
+            if event.max_change_scale < 1.0:
                 limited += 1
-                scales.append(scale)
+                scales.append(event.max_change_scale)
     return {"epochs": epochs, "max_change_limited": limited / logged if logged else None,
             "max_change_median_scale": statistics.median(scales) if scales else None}
 
@@ -109,7 +126,7 @@ def write_results_file(runs: dict[str, list[Run]], path: Path) -> Path:
     lines = []
     for sweep, group in runs.items():
         for r in sorted(group, key=lambda r: r.name):
-            summary = {k: v for k, v in r.summary.items() if k != "config"}
+            summary = {k: v for k, v in r.recorded.items() if k != "config"}
             settings = {k: r.settings.get(k) for k in _KEPT}
             lines.append(json.dumps({"sweep": sweep, "name": r.name, "settings": settings,
                                      "summary": summary}, sort_keys=True))
@@ -200,6 +217,6 @@ def stat(runs: dict[int, Run], metric: str) -> Spread | None:
 
 def trace_stat(runs: dict[int, Run], key: str) -> float | None:
     """The mean over seeds of one value of the runs' event traces (run_trace)."""
-    values = [r.summary.get("trace", {}).get(key) for r in runs.values()]
+    values = [r.trace.get(key) for r in runs.values()]
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None

@@ -80,8 +80,8 @@ def speedup_section(mpi_runs: list[Run]) -> list[str]:
             predicted = f"{pred.speedup:.2f} (efficiency {pred.efficiency:.2f})"
         if speedup is not None and speedup.flag:
             flags.append(f"{ranks} ranks, K = {k}: {speedup.flag}.")
-        rows.append((ranks, k, f"{s['wall_seconds']:.1f}", f"{s['compute_seconds']:.1f}",
-                     f"{s['comm_seconds']:.2f}", f"{100 * s['comm_fraction']:.1f}",
+        rows.append((ranks, k, f"{s.wall_seconds:.1f}", f"{s.compute_seconds:.1f}",
+                     f"{s.comm_seconds:.2f}", f"{100 * s.comm_fraction:.1f}",
                      _measured(speedup), speedup.cores if speedup and speedup.cores else "-",
                      "-" if speedup is None or speedup.load is None else f"{speedup.load:.1f}",
                      predicted))
