@@ -322,7 +322,9 @@ def test_the_live_speedup_is_the_runs_own_paired_measurement(finished_runs):
     ranks = [p for p, _ in speedup.predicted]
     values = [v for _, v in speedup.predicted]
     assert ranks == [1, 2, 4, 8, 16, 32, 64] and values[0] == pytest.approx(1.0)
-    assert values == sorted(values) and values[-1] < 64 and speedup.K == 4
+    # The costs are this run's, measured on a shared machine: where its allreduce was slow the
+    # predicted curve may turn down at large N, so only what any costs give is held here.
+    assert all(0 < v <= n for n, v in zip(ranks, values)) and speedup.K == 4
 
 
 def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, corpus, tmp_path):
