@@ -52,6 +52,8 @@ def test_a_percentage_reads_the_same_in_the_table_and_the_csv():
 def test_cells_join_fields_and_say_dash_for_what_is_missing():
     row = _row()
     assert COLUMNS["wer_with_ci"].cell(row) == "12.35 (11.50-13.25)"
+    # A 1-worker run's WER has its interval too (the quick start's first row).
+    assert COLUMNS["wer_with_ci"].cell({**row, "ranks": 1}) == "12.35 (11.50-13.25)"
     assert COLUMNS["speedup_with_range"].cell(row).endswith(")")
     running = run_row("r", summary_of(SUMMARY).config, None)
     assert [COLUMNS[k].cell(running) for k in ("wer_with_ci", "cv_acc_pct", "speedup_range")] \

@@ -87,7 +87,7 @@ def _with_interval(key: str, low: str, high: str, digits: int) -> Callable[[Row]
         value = row.get(key)
         if value is None:
             return None
-        if row.get(low) is None or row.get(high) is None or row.get("ranks") == 1:
+        if row.get(low) is None or row.get(high) is None:
             return f"{value:.{digits}f}"
         return f"{value:.{digits}f} ({row[low]:.{digits}f}-{row[high]:.{digits}f})"
     return join
