@@ -198,10 +198,8 @@ def served(tmp_path_factory, corpus):
 @pytest.fixture()
 def page(served):
     """A 1366 x 768 headless chromium page on the served dashboard; fails on page errors."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed "
-                                   "(run scripts/install-browser.sh)")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    from playwright import sync_api  # a dev dependency: missing, the test fails
+    assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
     url, _ = served
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
@@ -774,9 +772,8 @@ def _offline_page(pw, url: str, outside: list[str]):
 
 
 def test_the_page_is_styled_with_no_request_outside_this_machine(served):
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    from playwright import sync_api  # a dev dependency: missing, the test fails
+    assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
     url, _ = served
     outside: list[str] = []
     with sync_api.sync_playwright() as pw:
@@ -799,9 +796,8 @@ def test_the_page_is_styled_with_no_request_outside_this_machine(served):
 def test_an_exported_notebook_typesets_its_equations_offline(tmp_path):
     """labavg.studies.teaching.offline_html_exporter: no script or stylesheet from outside, and
     MathJax (a local copy beside the HTML) typesets with the network blocked."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} not installed (run scripts/install-browser.sh)")
+    from playwright import sync_api  # a dev dependency: missing, the test fails
+    assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
     import nbformat
 
     from labavg.studies.teaching import offline_html_exporter

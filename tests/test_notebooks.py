@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib.util
 import json
 import math
 import re
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+import nbclient  # dev dependencies: missing, the tests fail
+import nbformat
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -131,7 +132,7 @@ def _no_stderr_and_small(name: str, nb) -> None:
 @pytest.fixture(scope="module")
 def venv_kernel(tmp_path_factory) -> tuple[str, Path]:
     """A kernel spec running this interpreter (the venv's python) with ipykernel."""
-    pytest.importorskip("ipykernel")
+    assert importlib.util.find_spec("ipykernel"), "ipykernel (a dev dependency) is not installed"
     root = tmp_path_factory.mktemp("jupyter")
     spec = root / "kernels" / "labavg-venv"
     spec.mkdir(parents=True)
@@ -321,7 +322,7 @@ def test_exported_notebooks_read_well_at_1366_by_768(venv_kernel, tmp_path, monk
     nothing sits on stderr's red, the decoding sweep is a table, the learning rate is said in
     words, every plot fits the page (also as wide as JupyterLab leaves it with the file browser
     open). Screenshots of each are kept in tests/artifacts/notebooks/."""
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # a dev dependency: missing, the test fails
     assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
     from labavg.studies.teaching import offline_html_exporter
 
@@ -442,7 +443,7 @@ def test_the_inline_dashboard_keeps_titles_and_labels_whole_beside_the_file_brow
     JupyterLab at 1366 x 768 with its file browser open: every plot of the Live tab at least
     MIN_PLOT_WIDTH wide and inside the cell's output (the rows wrap). A screenshot is kept in
     tests/artifacts/notebooks/."""
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # a dev dependency: missing, the test fails
     assert CHROMIUM.exists(), f"{CHROMIUM} not installed (run scripts/install-browser.sh)"
     from support import wait_for
 
