@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from labavg.base.errors import UserError
-from labavg.data.forced_align import (PHONES, STATES_PER_PHONE, AlignmentFailed, Aligner,
-                                      ctm_lines, frame_pdfs)
+from labavg.data.forced_align import (MODEL_RATE, PHONES, STATES_PER_PHONE, AlignmentFailed,
+                                      Aligner, ctm_lines, frame_pdfs)
 from labavg.data.synth import check_out_dir
 from labavg.data.synth_signal import FEAT_DIM, compute_fbank
 
@@ -146,21 +146,21 @@ def load_recording(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     return samples, int(rate)
 
 
-def _audio(rec: Recording, rate: int) -> np.ndarray:
-    """The recording as int16-valued samples at `rate`."""
+def _resampled(samples: np.ndarray, rate: int, to: int) -> np.ndarray:
+    """int16-valued `samples` at `rate` as int16-valued samples at `to`."""
     import soxr
 
-    samples, _ = load_recording(rec.path)
-    if rate != rec.rate:
-        samples = np.clip(soxr.resample(samples.astype(np.float32), rec.rate, rate), -32768, 32767)
-    return np.asarray(samples)
+    if rate == to:
+        return samples
+    return np.clip(soxr.resample(samples.astype(np.float32), rate, to), -32768, 32767)
 
 
 def _prepare_one(rec: Recording, aligner: Aligner, feature_rate: int, cache: Path) -> None:
     """Features, pdfs and phone segments of one utterance, saved atomically in the cache."""
-    feats = compute_fbank(_audio(rec, feature_rate).astype(np.float32), feature_rate)
+    samples, _ = load_recording(rec.path)  # read once, resampled for the features and the model
+    feats = compute_fbank(_resampled(samples, rec.rate, feature_rate).astype(np.float32), feature_rate)
     try:
-        segments = aligner.align(_audio(rec, 16000), list(rec.words), str(rec.path))
+        segments = aligner.align(_resampled(samples, rec.rate, MODEL_RATE), list(rec.words), str(rec.path))
         result = {"feats": feats, "pdfs": frame_pdfs(segments, len(feats)),
                   "ctm": np.array(ctm_lines(rec.utt, segments))}
     except AlignmentFailed as exc:
