@@ -49,8 +49,9 @@ EXPECTED_RUNS = {
     "05-rbm-pretraining": [f"sweeps/05-rbm-pretraining/runs/pretrain_{p}-ranks_{r}"
                            for p in ("none", "rbm") for r in (1, 2)],
     "06-averaging-frequency-minibatch-and-schedules": [
-        "sweeps/06-K/runs/average_every_1", "sweeps/06-K/runs/average_every_32",
-        "sweeps/06-minibatch/runs/minibatch_32", "sweeps/06-schedule/runs/schedule_newbob"],
+        f"sweeps/06-averaging/runs/{run}" for run in (
+            "average_every_1", "average_every_8", "average_every_32", "minibatch_64",
+            "schedule_newbob")],
     "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2",
                                "sweeps/07-measure-speedup/n2"],
     "08-reproducing-the-paper": [],  # it reads experiments/reproduction-results.jsonl
