@@ -245,6 +245,46 @@ def test_every_table_of_the_report_is_a_pipe_table_with_a_cell_per_column(tmp_pa
         assert set(table[1]) <= {"|", "-"} and len(_cells(table[1])) == width, table[:2]
         assert all(len(_cells(row)) == width for row in table[2:]), table[0]
     assert "## Speedup" in text and "## Beyond the paper" in text
+    assert "## Real speech: Debian's Asterisk prompts" in text
+
+
+def test_real_speech_reads_each_n_against_one_worker_beside_the_built_in_corpus():
+    from labavg.studies.reproduction.real_speech import rows
+
+    real = ([_run(s, w, ranks=1) for s, w in enumerate((30.0, 31.0, 29.0))]
+            + [_run(s, w, ranks=4) for s, w in enumerate((36.0, 37.5, 35.0))]
+            + [_run(s, w, ranks=2) for s, w in enumerate((30.0, 32.0, 28.0))])
+    base = {"ranks": 1, "optimizer": "ngsgd"}
+    synthetic = ([_run(s, w, ranks=1, optimizer="ngsgd") for s, w in enumerate((10.0, 10.2, 9.9))]
+                 + [_run(s, w, ranks=4, optimizer="ngsgd") for s, w in enumerate((10.0, 10.3, 9.8))]
+                 + [_run(s, 50.0, ranks=4, optimizer="sgd") for s in range(3)])
+    table = {row[0]: row for row in rows(real, synthetic, base)}
+    assert list(table) == [1, 2, 4]
+    assert table[1][6:] == ("-", "-", "-", "-")
+    # 100 ln(36/30) = +18.2 ...: every seed higher, a tight interval above zero
+    assert table[4][6].startswith("+18.") and table[4][7] == "higher WER"
+    assert table[2][7].startswith("unresolved")  # +0, +3.2, -3.6: the interval spans zero
+    assert table[2][8:] == ("-", "-")  # the built-in corpus has no 2-worker runs
+    # the built-in corpus's 4 workers at the base optimizer (plain SGD's 50 % left out): 0, +1, -1
+    assert table[4][8].startswith("-0.0 [") and table[4][9].startswith("unresolved")
+
+
+def test_reproduce_says_why_it_trains_no_real_speech_before_the_prompts_are_prepared(
+        tmp_path, capsys, monkeypatch):
+    from labavg.studies.reproduction.pipeline import _real_speech_job
+    from labavg.studies.reproduction.sweep_files import Experiments
+
+    exp = tmp_path / "experiments"
+    exp.mkdir()
+    (exp / "asterisk.toml").write_text((REPO / "experiments" / "asterisk.toml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert _real_speech_job(Experiments(exp), tmp_path / "out") == []
+    assert "data/asterisk is not prepared (bash scripts/asterisk-corpus.sh data/asterisk)" in \
+        capsys.readouterr().err
+    (tmp_path / "data" / "asterisk").mkdir(parents=True)
+    (tmp_path / "data" / "asterisk" / "feats.scp").write_text("")
+    assert _real_speech_job(Experiments(exp), tmp_path / "out") == [
+        ("asterisk", exp / "asterisk.toml", tmp_path / "out" / "asterisk", None)]
 
 
 def test_the_tiny_sweep_files_keep_the_grids_with_two_seeds_on_tiny_corpora(tmp_path):

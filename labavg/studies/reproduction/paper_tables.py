@@ -10,7 +10,8 @@ from labavg.studies.reproduction.paper import (HEADLINE, PAIRS, PAPER_WORKERS, W
                                                Probe, effect)
 from labavg.studies.reproduction.prose import pair_sentence, yesno_sentence
 from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
-from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, percent
+from labavg.studies.reproduction.tables import (interval, markdown_table, mean_sd, percent,
+                                                wer_interval_of)
 from labavg.studies.reproduction.verdicts import NEGATIVE, POSITIVE, ZERO, spread, verdict
 
 
@@ -32,14 +33,6 @@ def headline_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
          "paper's WER change, % (WER %)", "verdict"), rows)
 
 
-def _ci_of_runs(runs: dict[int, Run]) -> str:
-    """The test-set 95 % interval of WER (bootstrap over utterances), averaged over seeds."""
-    cis = [r.summary.wer_ci for r in runs.values() if r.summary.wer_ci]
-    if not cis:
-        return "-"
-    return f"{statistics.fmean(c[0] for c in cis):.2f}-{statistics.fmean(c[1] for c in cis):.2f}"
-
-
 def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
     """1 / 8 / 16 / 32 workers: WER, PER, frame accuracy, and the change against 1 worker."""
     same = {k: v for k, v in base.items() if k != "ranks"}
@@ -51,7 +44,7 @@ def workers_table(runs: list[Run], base: dict[str, Any]) -> list[str]:
         e = effects.get(n)
         rows.append((
             n, len(here), "-" if updates is None else f"{updates.mean:,.0f}",
-            mean_sd(stat(here, "wer")), _ci_of_runs(here), mean_sd(stat(here, "per")),
+            mean_sd(stat(here, "wer")), wer_interval_of(here), mean_sd(stat(here, "per")),
             mean_sd(stat(here, "cv_acc_pct")), percent(trace_stat(here, "max_change_limited")),
             "-" if e is None else interval(e.wer, 1),
             f"{paper}" if e is None else f"{paper} ({e.pair.paper_effect:+.1f} %)",
@@ -68,7 +61,7 @@ def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
     e = effect(runs, base, pair)
     rows = []
     for i, (value, here) in enumerate(zip((pair.better, pair.worse), e.sides)):
-        rows.append((value, len(here), mean_sd(stat(here, "wer")), _ci_of_runs(here),
+        rows.append((value, len(here), mean_sd(stat(here, "wer")), wer_interval_of(here),
                      mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct")),
                      "-" if pair.paper is None else str(pair.paper[i])))
     table = markdown_table((pair.vary, "seeds", "WER % (mean ± sd)", "test-set 95 % CI", "PER %",
@@ -136,7 +129,7 @@ def yesno_section(runs: list[Run], facts: dict[str, Any], sweep_file: Any) -> li
     rows = []
     for n, opt in sorted({(r.get("ranks"), r.get("optimizer")) for r in runs}):
         here = select(runs, ranks=n, optimizer=opt)
-        rows.append((n, opt, len(here), mean_sd(stat(here, "wer")), _ci_of_runs(here),
+        rows.append((n, opt, len(here), mean_sd(stat(here, "wer")), wer_interval_of(here),
                      mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct"))))
     return ["## Real data: Kaldi's yesno recipe", "", yesno_sentence(runs, facts, sweep_file),
             ""] + markdown_table(("workers", "optimizer", "seeds", "WER % (mean ± sd)",

@@ -3,9 +3,10 @@ REPRODUCTION.md, its figures and the results file the notebooks read.
 
 The sweep files: paper.toml (the paper's comparisons, decoded), regime.toml and
 regime-variables.toml (the regime map and what predicts it), explain.toml (the experiments
-behind each disagreement), beyond.toml (BMUF and DiLoCo) and yesno.toml (the real Kaldi recipe,
-when given). Every step is resumable: finished runs are kept, so running it again only adds what
-is missing. Every verdict follows labavg.studies.reproduction.verdicts' one rule.
+behind each disagreement), beyond.toml (BMUF and DiLoCo), asterisk.toml (real speech, once
+prepared) and yesno.toml (the real Kaldi recipe, when given). Every step is resumable: finished
+runs are kept, so running it again only adds what is missing. Every verdict follows
+labavg.studies.reproduction.verdicts' one rule.
 """
 
 from __future__ import annotations
@@ -123,7 +124,21 @@ def _jobs(exp: Experiments, out: Path, yesno: Path | None) -> list[Job]:
         path = getattr(exp, name.replace("-", "_"))
         if path.is_file():
             jobs.append((name, path, out / name, None))
-    return jobs
+    return jobs + _real_speech_job(exp, out)
+
+
+def _real_speech_job(exp: Experiments, out: Path) -> list[Job]:
+    """asterisk.toml trains on prompts that a Debian package and a script provide; without them
+    its recorded runs are reported as they are, and the command says why it trained none."""
+    if not exp.asterisk.is_file():
+        return []
+    data = Path(load_sweep(exp.asterisk).base.data.data)
+    if not (data / "feats.scp").is_file():
+        print(f"labavg reproduce: {exp.asterisk} not trained: {data} is not prepared "
+              f"(bash scripts/asterisk-corpus.sh {data}); its recorded runs are reported",
+              file=sys.stderr)
+        return []
+    return [("asterisk", exp.asterisk, out / "asterisk", None)]
 
 
 def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,

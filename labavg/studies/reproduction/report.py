@@ -1,8 +1,9 @@
 """REPRODUCTION.md: the report of the reproduction of Su & Chen (2015), assembled from its parts.
 
 The first screen answers whether the paper holds here (paper_tables, prose); then what was
-chosen, the paper's comparisons, the regime map (regime), the real recipe, the experiments
-behind each disagreement, the speedup (speedup) and the methods beyond the paper (beyond).
+chosen, the paper's comparisons, the regime map (regime), the real recipe, real speech
+(real_speech), the experiments behind each disagreement, the speedup (speedup) and the methods
+beyond the paper (beyond).
 Running the experiments and writing the file is labavg.studies.reproduction.pipeline.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from labavg.studies.reproduction import beyond, regime
+from labavg.studies.reproduction import beyond, real_speech, regime
 from labavg.studies.reproduction.paper import PROBES, base_settings
 from labavg.studies.reproduction.paper_tables import (comparison_sections, headline_table,
                                                       probe_section, schedule_trace, yesno_section)
@@ -63,6 +64,8 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
                             report, experiments.regime, experiments.regime_variables)
     if runs.get("yesno"):
         parts += [""] + yesno_section(runs["yesno"], yesno or {}, experiments.yesno)
+    if runs.get("asterisk"):
+        parts += [""] + real_speech.section(runs["asterisk"], paper_runs, base, experiments.asterisk)
     if runs.get("explain"):
         parts += [""] + _explain_section(runs, base, experiments.explain)
     parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))

@@ -105,7 +105,7 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
             "max_change_median_scale": statistics.median(scales) if scales else None}
 
 
-SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond")
+SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond", "asterisk")
 # What a results file keeps of each run's settings: enough to select and to describe it.
 _KEPT = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch", "seed",
          "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours", "model.hidden_layers",

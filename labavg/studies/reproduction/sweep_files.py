@@ -56,6 +56,10 @@ class Experiments:
     def beyond(self) -> Path:
         return self.directory / "beyond.toml"
 
+    @property
+    def asterisk(self) -> Path:
+        return self.directory / "asterisk.toml"
+
 
 def tiny_sweep(spec: dict[str, Any], corpora: list[dict[str, Any]],
                ranks: list[int] | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ and GitHub pipe tables (tabulate)."""
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Iterable, Sequence
 
 from tabulate import tabulate
@@ -48,3 +49,12 @@ def words(items: list[str]) -> str:
     if len(items) < 3:
         return " and ".join(items)
     return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def wer_interval_of(runs: dict) -> str:
+    """The test-set 95 % interval of WER (bootstrap over utterances) of runs by seed, averaged
+    over the seeds."""
+    cis = [r.summary.wer_ci for r in runs.values() if r.summary.wer_ci]
+    if not cis:
+        return "-"
+    return f"{statistics.fmean(c[0] for c in cis):.2f}-{statistics.fmean(c[1] for c in cis):.2f}"
