@@ -219,6 +219,23 @@ def test_report_only_names_a_bad_results_line(tmp_path, name):
     assert not (tmp_path / "R.md").exists()
 
 
+def test_report_only_names_a_damaged_run_summary_instead_of_leaving_the_run_out(tmp_path):
+    experiments = tmp_path / "experiments"
+    shutil.copytree(REPO / "experiments", experiments)
+    run = _run(tmp_path / "runs" / "paper" / "runs" / "seed_0")
+    (run / "summary.json").write_bytes(b'{"ranks": 1, "wall_sec')
+    proc = subprocess.run(
+        [PYTHON, "-m", "labavg", "reproduce", "--report-only", "--out", str(tmp_path / "runs"),
+         "--experiments", str(experiments), "--report", str(tmp_path / "R.md"),
+         "--figure", str(tmp_path / "f.png")],
+        capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(err) == 1 and f"{run / 'summary.json'}: not valid JSON" in err[0], err
+    assert f"remove {run} to train it again" in err[0]
+    assert not (tmp_path / "R.md").exists()
+
+
 class _RunsCode:
     """Pickles to a call of os.system: what a hostile model file carries."""
 

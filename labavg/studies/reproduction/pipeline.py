@@ -124,7 +124,7 @@ def _jobs(exp: Experiments, out: Path, yesno: Path | None) -> list[Job]:
         path = getattr(exp, name.replace("-", "_"))
         if path.is_file():
             jobs.append((name, path, out / name, None))
-    return jobs + _real_speech_job(exp, out)
+    return jobs
 
 
 def _real_speech_job(exp: Experiments, out: Path) -> list[Job]:
@@ -167,6 +167,7 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     jobs = _jobs(exp, out, yesno)
     results = results if results is not None else exp.directory / RESULTS_FILE
     if train:
+        jobs += _real_speech_job(exp, out)
         for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
             make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
         run_sweeps(jobs, parallel, results)

@@ -63,11 +63,15 @@ class Run:
 
 
 def load_runs(sweep_dir: Path) -> list[Run]:
-    """Every finished run of a sweep directory (unfinished ones are left out)."""
+    """Every finished run of a sweep directory (unfinished ones are left out). UserError naming
+    the file when a run's summary.json is damaged: a report that left it out would count seeds
+    that are not there."""
     runs = []
     if not (sweep_dir / "runs").is_dir():
         return runs
     for record in list_runs(sweep_dir / "runs"):
+        if record.damaged:
+            raise UserError(f"{record.damaged} (remove {record.path} to train it again)")
         if record.summary is None or record.summary.stopped:
             continue
         settings = flatten_config(to_dict(record.summary.config or record.config))
