@@ -373,6 +373,18 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert not live.running
 
 
+def test_a_failed_job_says_why_in_the_page_not_only_on_the_servers_stderr(corpus, tmp_path):
+    live = LiveRun()
+    # In-process workers run as a job of their own, whose reason was printed on the server's
+    # stderr alone; the page said "the job writing ... failed (exit status 1)".
+    settings = tiny_settings(corpus, tmp_path, overrides={"data.buffer_frames": 2048,
+                                                         "inject_fault": "raise@rank1:step2"})
+    assert live.start(settings), live.status
+    run_to_end(live, timeout=180)
+    assert live.status.startswith("Run failed: ") and "injected fault on rank 1" in live.status, \
+        live.status
+
+
 def test_stop_ends_the_run_at_the_next_round_even_an_epoch_end_without_cv(corpus, tmp_path):
     """docs/averaging.md: a stop request ends the run at the next averaging round. With K
     beyond the epoch that round is the first epoch's end: the run must end there, with its

@@ -15,7 +15,8 @@ import pytest
 from labavg.data.settings import DataConfig
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
-from labavg.jobs.launch import LAUNCH_FILE, JobFailed, start_run
+from labavg.jobs.job_outcome import JobFailed
+from labavg.jobs.launch import LAUNCH_FILE, start_run
 from labavg.jobs.index import read_events
 
 from test_dataset_errors import make_data_dir, small_corpus
@@ -121,6 +122,9 @@ def test_job_failure_is_an_exit_status(corpus, tmp_path):
         handle.wait(120)
     assert info.value.code != 0 and handle.done()
     assert not (tmp_path / "f" / LAUNCH_FILE).exists()
+    # what the job said on stderr travels with the error, for a caller without a terminal
+    assert info.value.reason and "injected fault" in info.value.reason, info.value.reason
+    assert str(info.value) == info.value.reason
 
 
 def test_an_in_process_run_leaves_torch_threads_as_they_were(corpus, tmp_path):

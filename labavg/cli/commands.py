@@ -86,7 +86,8 @@ def train_config(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher
-    from labavg.jobs.launch import JobFailed, start_run
+    from labavg.jobs.job_outcome import JobFailed
+    from labavg.jobs.launch import start_run
     from labavg.jobs.rank_main import run_rank, said_by_rank_0
     from labavg.jobs.summary import format_table
 

@@ -1,9 +1,22 @@
 """What a job of processes (labavg.jobs.launch.JobRun) left behind that its closing line
-reports: which ranks were lost, where each got to, the exit status its ranks' messages mean."""
+reports: which ranks were lost, where each got to, the exit status its ranks' messages mean,
+and the error a failed job raises."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+
+class JobFailed(RuntimeError):
+    """A job's processes ended with a non-zero exit status. `reason` is the one line the job
+    printed on stderr (without "labavg: error: "), so that a caller without a terminal (the
+    dashboard) can show it too."""
+
+    def __init__(self, run_dir: Path, code: int, reason: str | None = None):
+        super().__init__(reason or f"the job writing {run_dir} failed (exit status {code})")
+        self.run_dir = run_dir
+        self.code = code
+        self.reason = reason
 
 
 def lost_ranks(run_dir: Path, pids: set[int]) -> str:

@@ -38,7 +38,7 @@ from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.base.waiting import wait_until
-from labavg.jobs.job_outcome import last_steps, lost_ranks, srun_lost, status_of
+from labavg.jobs.job_outcome import JobFailed, last_steps, lost_ranks, srun_lost, status_of
 from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
 LAUNCH_FILE = ".launch.json"
@@ -61,15 +61,6 @@ class RunHandle(Protocol):
 
     def done(self) -> bool:
         """Whether the run has ended (finished, stopped or failed)."""
-
-
-class JobFailed(RuntimeError):
-    """A job's processes ended with a non-zero exit status, already explained on stderr."""
-
-    def __init__(self, run_dir: Path, code: int):
-        super().__init__(f"the job writing {run_dir} failed (exit status {code})")
-        self.run_dir = run_dir
-        self.code = code
 
 
 def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = None,
@@ -261,6 +252,7 @@ class JobRun:
         self._launcher_lines: list[str] = []
         self._in_traceback = False
         self._rank_said: list[str] = []  # why a rank ended the job ("labavg: rank R failed: ...")
+        self._raised: str | None = None  # the first exception line of a rank's traceback
         self._relay = threading.Thread(target=self._relay_stderr, daemon=True,
                                        name="labavg-job-stderr")
         self._relay.start()
@@ -292,6 +284,8 @@ class JobRun:
                 # held back, and shown only if labavg cannot say which rank was lost.
                 self._launcher_lines.append(line)
                 continue
+            if _EXCEPTION_LINE.match(line) and self._raised is None:
+                self._raised = line.strip()  # a rank's traceback ends with what it raised
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -332,8 +326,9 @@ class JobRun:
                 sys.stderr.writelines(f"labavg: {said}\n" for said in self._rank_said)
             elif not self._errors:
                 said = "".join(f"{s}; " for s in self._rank_said[:1])
-                print(f"labavg: error: {said}the {_job_kind(self.cfg)} job failed (exit status "
-                      f"{code}); {lost}{last_steps(self.run_dir)}", file=sys.stderr)
+                self._errors.append(f"labavg: error: {said}the {_job_kind(self.cfg)} job failed "
+                                    f"(exit status {code}); {lost}{last_steps(self.run_dir)}\n")
+                sys.stderr.write(self._errors[-1])
             self.code = code
         finally:
             self._held.close()
@@ -378,7 +373,10 @@ class JobRun:
         if not wait_until(self._ended.is_set, timeout, 0.2, pause=self._ended.wait):
             raise TimeoutError(f"run {self.run_dir} still going after {timeout} s")
         if self.code != 0:
-            raise JobFailed(self.run_dir, self.code if self.code is not None else -1)
+            # The first error a rank printed is the cause; later ones are its peers' consequences.
+            said = [self._raised] + [e.strip().removeprefix("labavg: error: ") for e in self._errors]
+            raise JobFailed(self.run_dir, self.code if self.code is not None else -1,
+                            "; ".join(filter(None, said[:2])) or None)
         path = self.run_dir / SUMMARY
         return json.loads(path.read_text()) if path.is_file() else None
 
@@ -405,6 +403,7 @@ _HYDRA_NOISE = ("=====", "=   ", "This typically refers to a problem", "Please s
                 "application called MPI_Abort")
 # How a failed rank's line ends under each launcher: the closing line says what happened next.
 _ENDING_THE_JOB = re.compile(r"; (exiting so torchrun ends the job|aborting all \d+ MPI ranks)$")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b: ")
 _TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch's glog-style lines
 _TORCHRUN_SIGNALLED = re.compile(r"failed \(exitcode: -\d+\) local_rank: \d+ \(pid: (\d+)\)")
 # hydra's own trace lines: "[proxy:0@host] ...", "[mpiexec@host] ...".

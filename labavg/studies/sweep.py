@@ -293,7 +293,8 @@ def _run_point(cfg: TrainConfig, run_dir: Path, train_point, cwd) -> None:
 
 
 def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None:
-    from labavg.jobs.launch import JobFailed, start_run
+    from labavg.jobs.job_outcome import JobFailed
+    from labavg.jobs.launch import start_run
 
     try:
         start_run(cfg, resume=resume, cwd=cwd).wait()
