@@ -198,6 +198,18 @@ RESULTS_DAMAGE = {
 }
 
 
+def _refused_report(tmp_path: Path) -> list[str]:
+    """`labavg reproduce --report-only` in tmp_path (experiments/, runs/): its stderr lines,
+    after checking that it exited 2."""
+    proc = subprocess.run(
+        [PYTHON, "-m", "labavg", "reproduce", "--report-only", "--out", str(tmp_path / "runs"),
+         "--experiments", str(tmp_path / "experiments"), "--report", str(tmp_path / "R.md"),
+         "--figure", str(tmp_path / "f.png")],
+        capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    return proc.stderr.strip().splitlines()
+
+
 @pytest.mark.parametrize("name", sorted(RESULTS_DAMAGE))
 def test_report_only_names_a_bad_results_line(tmp_path, name):
     experiments = tmp_path / "experiments"
@@ -208,13 +220,7 @@ def test_report_only_names_a_bad_results_line(tmp_path, name):
     bad = bad(good) if callable(bad) else bad
     bad = bad if isinstance(bad, bytes) else bad.encode()
     results.write_bytes(good.encode() + b"\n" + bad + b"\n")
-    proc = subprocess.run(
-        [PYTHON, "-m", "labavg", "reproduce", "--report-only", "--out", str(tmp_path / "runs"),
-         "--experiments", str(experiments), "--report", str(tmp_path / "R.md"),
-         "--figure", str(tmp_path / "f.png")],
-        capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=300)
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = _refused_report(tmp_path)
     assert len(err) == 1 and f"{results}, line 2" in err[0], err
     assert not (tmp_path / "R.md").exists()
 
@@ -224,13 +230,7 @@ def test_report_only_names_a_damaged_run_summary_instead_of_leaving_the_run_out(
     shutil.copytree(REPO / "experiments", experiments)
     run = _run(tmp_path / "runs" / "paper" / "runs" / "seed_0")
     (run / "summary.json").write_bytes(b'{"ranks": 1, "wall_sec')
-    proc = subprocess.run(
-        [PYTHON, "-m", "labavg", "reproduce", "--report-only", "--out", str(tmp_path / "runs"),
-         "--experiments", str(experiments), "--report", str(tmp_path / "R.md"),
-         "--figure", str(tmp_path / "f.png")],
-        capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=300)
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = _refused_report(tmp_path)
     assert len(err) == 1 and f"{run / 'summary.json'}: not valid JSON" in err[0], err
     assert f"remove {run} to train it again" in err[0]
     assert not (tmp_path / "R.md").exists()
