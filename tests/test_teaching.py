@@ -70,7 +70,7 @@ def test_each_notebook_may_compute_for_half_its_slot():
 
 def test_missing_or_slow_measurements_are_named():
     stems = ["03-model-averaging-on-mpi-engines", "04-ngsgd-vs-sgd"]
-    # Both conditions are required (teaching.REQUIRED_CONDITIONS): 04 has only its plain
+    # Both conditions (teaching.CONDITIONS) are required: 04 has only its plain
     # measurement here.
     assert teaching.timing_problems(stems, TIMINGS) == [
         "04-ngsgd-vs-sgd: not measured at the class size beside a 2-core load"]

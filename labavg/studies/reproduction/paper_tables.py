@@ -12,7 +12,7 @@ from labavg.studies.reproduction.prose import pair_sentence, yesno_sentence
 from labavg.studies.reproduction.results import Run, paired, select, stat, trace_stat
 from labavg.studies.reproduction.tables import (interval, markdown_table, mean_sd, percent,
                                                 wer_interval_of)
-from labavg.studies.reproduction.verdicts import NEGATIVE, POSITIVE, ZERO, spread, verdict
+from labavg.studies.reproduction.verdicts import WER_WORDS, spread, verdict
 
 
 def _paper_cell(pair: Pair) -> str:
@@ -88,7 +88,7 @@ def probe_section(runs: dict[str, list[Run]], base: dict[str, Any], probe: Probe
         if against is not None:
             change = spread(paired(found[against], here, "wer", log=True))
             diff, word = f"{interval(change, 1)} vs {against}", verdict(change)
-            word = {POSITIVE: "higher WER", NEGATIVE: "lower WER", ZERO: "same WER"}.get(word, word)
+            word = WER_WORDS.get(word, word)
         lrs = [r.trace["epochs"][-1].get("lr") for r in here.values() if r.trace.get("epochs")]
         rows.append((label, len(here), mean_sd(stat(here, "wer")), diff, word,
                      mean_sd(stat(here, "cv_acc_pct")),

@@ -8,38 +8,33 @@ from typing import Any
 
 from labavg.studies.reproduction.results import Run, paired, select, stat
 from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, wer_interval_of
-from labavg.studies.reproduction.verdicts import NEGATIVE, POSITIVE, ZERO, Spread, spread, verdict
+from labavg.studies.reproduction.verdicts import WER_WORDS, Spread, spread, verdict
 
 TITLE = "## Real speech: Debian's Asterisk prompts"
-# The paper has no figure for this corpus, so each effect is read against zero only; the words
-# say which way WER moved.
-WORDS = {POSITIVE: "higher WER", NEGATIVE: "lower WER", ZERO: "same WER"}
 
 
 def against_one_worker(runs: list[Run], n: int, **fixed: Any) -> tuple[Spread | None, str]:
-    """N workers' WER change against 1 worker (100 ln ratio per seed) and its verdict."""
+    """N workers' WER change against 1 worker (100 ln ratio per seed) and its verdict, read
+    against zero: the paper has no figure for this corpus."""
     change = spread(paired(select(runs, ranks=1, **fixed), select(runs, ranks=n, **fixed), "wer",
                            log=True))
     word = verdict(change)
-    return change, WORDS.get(word, word)
+    return change, WER_WORDS.get(word, word)
 
 
 def rows(runs: list[Run], paper_runs: list[Run], base: dict[str, Any]) -> list[tuple]:
     """One row per number of workers: the real corpus's scores and change, then the built-in
-    corpus's change at the same N."""
+    corpus's change at the same N ("-" where either side has no runs to pair)."""
     synthetic = {k.replace(".", "__"): v for k, v in base.items() if k != "ranks"}
     out = []
     for n in sorted({int(r.get("ranks")) for r in runs}):
         here = select(runs, ranks=n)
-        real = synth = (None, "-")
-        if n != 1:
-            real = against_one_worker(runs, n)
-            if select(paper_runs, ranks=n, **synthetic):
-                synth = against_one_worker(paper_runs, n, **synthetic)
+        changes: list[str] = []
+        for group, fixed in ((runs, {}), (paper_runs, synthetic)):
+            change, word = (None, "-") if n == 1 else against_one_worker(group, n, **fixed)
+            changes += ["-", "-"] if change is None else [interval(change, 1), word]
         out.append((n, len(here), mean_sd(stat(here, "wer")), wer_interval_of(here),
-                    mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct")),
-                    "-" if n == 1 else interval(real[0], 1), "-" if n == 1 else real[1],
-                    "-" if synth[0] is None else interval(synth[0], 1), synth[1]))
+                    mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct")), *changes))
     return out
 
 

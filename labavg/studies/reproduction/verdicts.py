@@ -53,6 +53,8 @@ SMALLER = "smaller than the paper's"
 OPPOSITE = "opposite"
 POSITIVE, NEGATIVE, ZERO = "positive", "negative", "~0"
 UNRESOLVED = "unresolved"
+# A WER effect read against zero, in words that say which way WER moved.
+WER_WORDS = {POSITIVE: "higher WER", NEGATIVE: "lower WER", ZERO: "same WER"}
 NOT_RUN = "not run"
 ONE_SEED = "needs 2+ seeds"
 
