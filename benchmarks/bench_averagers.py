@@ -50,11 +50,12 @@ def round_cost(numel: int, size: int, rounds: int = 15) -> dict[str, dict]:
 RUNS = [
     ("model-linear", {}),
     ("model-none", {"lr_scaling": "none"}),
-    ("bmuf-linear", {"averaging": "bmuf"}),
-    ("bmuf-none", {"averaging": "bmuf", "lr_scaling": "none"}),
-    ("bmuf0.75-none", {"averaging": "bmuf", "lr_scaling": "none", "bmuf.momentum": 0.75}),
-    ("diloco-linear", {"averaging": "diloco"}),
-    ("diloco-none", {"averaging": "diloco", "lr_scaling": "none"}),
+    ("bmuf-linear", {"averaging.method": "bmuf"}),
+    ("bmuf-none", {"averaging.method": "bmuf", "lr_scaling": "none"}),
+    ("bmuf0.75-none", {"averaging.method": "bmuf", "lr_scaling": "none",
+                       "averaging.bmuf.momentum": 0.75}),
+    ("diloco-linear", {"averaging.method": "diloco"}),
+    ("diloco-none", {"averaging.method": "diloco", "lr_scaling": "none"}),
 ]
 
 
@@ -63,8 +64,9 @@ def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
     from labavg.base.settings import with_overrides
     from labavg.jobs.launch import start_run
 
-    base = {"data.data": data, "ranks": 4, "average_every": 10, "epochs": 2, "seed": seed,
-            "model.hidden_layers": 2, "model.hidden_dim": 128, "tensorboard": False}
+    base = {"data.data": data, "ranks": 4, "averaging.average_every": 10, "epochs": 2,
+            "seed": seed, "model.hidden_layers": 2, "model.hidden_dim": 128,
+            "tensorboard": False}
     rows = []
     for name, extra in RUNS:
         cfg = with_overrides(TrainConfig(), {**base, **extra, "out": str(out_root / name)})

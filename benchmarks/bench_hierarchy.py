@@ -7,13 +7,13 @@ NODES emulated nodes of PER_NODE MPICH ranks each (scripts/emulated-nodes.sh up 
 network namespaces, veth links shaped by tbf; root), so ranks of one node share memory and
 ranks of different nodes talk over the shaped links. For float32 buffers of 1, 4 and 16 MB,
 every rank times (a) a node round, `labavg.averaging.mean.average_parameters` on the communicator
-`hierarchy.node_size = 0` finds (`labavg.averaging.hierarchy.node_communicator`: MPI_Comm_split_type,
-shared memory), and (b) a round over all ranks, what every round of a flat run is. Each
-repetition starts at a barrier and lasts for its slowest rank; the tables give medians after
-two warm-up repetitions, and what a run averaging within nodes every K1 = 10 minibatches and
-across them every K2 = 50 spends on rounds per 50 minibatches (4 node rounds + 1 round over all
-ranks) against the flat run at K = 10 (5 rounds over all ranks). Not a test: one machine, one
-run, whatever else it was doing (the load average is recorded).
+`averaging.hierarchy.node_size = 0` finds (`labavg.averaging.hierarchy.node_communicator`:
+MPI_Comm_split_type, shared memory), and (b) a round over all ranks, what every round of a
+flat run is. Each repetition starts at a barrier and lasts for its slowest rank; the tables give
+medians after two warm-up repetitions, and what a run averaging within nodes every K1 = 10
+minibatches and across them every K2 = 50 spends on rounds per 50 minibatches (4 node rounds + 1
+round over all ranks) against the flat run at K = 10 (5 rounds over all ranks). Not a test: one
+machine, one run, whatever else it was doing (the load average is recorded).
 """
 
 from __future__ import annotations

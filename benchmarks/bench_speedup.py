@@ -66,7 +66,7 @@ def main() -> int:
     synthesize(corpus, hours=args.hours, seed=0)
     base = with_overrides(TrainConfig(), {
         "data": {"data": str(corpus)}, "out": str(work / "x"), "backend": "mpi", "epochs": 1,
-        "average_every": 10, "tensorboard": False})
+        "averaging.average_every": 10, "tensorboard": False})
     rows = []
     for i in range(1, args.repeats + 1):
         stop = multiprocessing.Event()

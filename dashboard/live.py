@@ -116,9 +116,9 @@ class LiveRun(param.Parameterized):
             except OSError as exc:  # what check_directory cannot foresee (a read-only disk)
                 raise UserError(f"runs directory {settings.runs_dir!r} cannot be created: "
                                 f"{exc.strerror}") from None
-            # The name shows the K the run trains with (average_every_frames may set it).
+            # The name shows the K the run trains with (averaging.average_every_frames may set it).
             cfg = settings.build(runs_dir / "check")
-            out = new_run_dir(runs_dir, settings.ranks, cfg.averaging_interval())
+            out = new_run_dir(runs_dir, settings.ranks, cfg.average_interval())
             cfg = dataclasses.replace(cfg, out=str(out))
         except UserError as exc:
             self.error = str(exc)
@@ -136,7 +136,7 @@ class LiveRun(param.Parameterized):
         self._thread = threading.Thread(target=self._drive, args=(cfg, launcher, job), daemon=True,
                                         name="labavg-dashboard-run")
         self.running = True
-        what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.averaging_interval()}"
+        what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.average_interval()}"
         if launcher == "engines":
             # Engines take seconds to start (more on a busy machine): say so, or the empty
             # plots look like a hung run.

@@ -27,13 +27,13 @@ from labavg.jobs.run_json import as_summary
 from labavg.jobs.launch import start_run
 
 # What a refusal calls each box: its label's words, not the setting's key.
-BOX_WORDS = {"average_every": "K (average every)", "lr": "learning rate"}
+BOX_WORDS = {"averaging.average_every": "K (average every)", "lr": "learning rate"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
 def run_label(cfg: TrainConfig) -> str:
     """What a rerun changes: K and the learning rate (the ranks come with the notebook)."""
-    return f"K={cfg.average_every}, lr {cfg.lr:g}"
+    return f"K={cfg.averaging.average_every}, lr {cfg.lr:g}"
 
 
 def divergence_curve(run_dir: str | Path, label: str, color: str) -> hv.Curve:
@@ -58,7 +58,7 @@ class RerunControl(pn.viewable.Viewer):
         self.cluster = cluster
         self.runs: list[tuple[str, dict[str, Any]]] = []  # (label, summary), in run order
         self.k = pn.widgets.IntInput(label="K (minibatches between averaging rounds)",
-                                     value=base.average_every, width=300)
+                                     value=base.averaging.average_every, width=300)
         self.lr = pn.widgets.FloatInput(label="learning rate per frame (before x N)",
                                         value=base.lr, width=300, format="0.[00000]")
         self.k_message = pn.pane.Markdown("", styles={"color": "#b00020"})
@@ -75,7 +75,7 @@ class RerunControl(pn.viewable.Viewer):
     def errors(self) -> dict[str, str]:
         """What is wrong with each box, with the CLI's rules in the box's words."""
         found = {}
-        for key, widget in (("average_every", self.k), ("lr", self.lr)):
+        for key, widget in (("averaging.average_every", self.k), ("lr", self.lr)):
             problem = check_setting(key, widget.value)
             if problem:
                 found[key] = problem.replace(key, BOX_WORDS[key], 1)
@@ -83,7 +83,7 @@ class RerunControl(pn.viewable.Viewer):
 
     def _check(self, *_: Any) -> None:
         problems = self.errors()
-        self.k_message.object = problems.get("average_every", "")
+        self.k_message.object = problems.get("averaging.average_every", "")
         self.lr_message.object = problems.get("lr", "")
         self.button.disabled = bool(problems)
 
@@ -105,8 +105,9 @@ class RerunControl(pn.viewable.Viewer):
         if problems:
             raise UserError("; ".join(problems.values()))
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg = with_overrides(self.base, {"average_every": self.k.value, "lr": self.lr.value})
-        out = self.runs_dir / f"rerun-k{cfg.average_every}-lr{cfg.lr:g}-{stamp}"
+        cfg = with_overrides(self.base, {"averaging.average_every": self.k.value,
+                                         "lr": self.lr.value})
+        out = self.runs_dir / f"rerun-k{cfg.averaging.average_every}-lr{cfg.lr:g}-{stamp}"
         cfg = with_overrides(cfg, {"out": str(out.resolve())})  # start_run validates it
         self.button.disabled = True
         self.status.object = f"training {run_label(cfg)} on {cfg.ranks} {cfg.backend} ranks ..."

@@ -152,7 +152,7 @@ class ScalingView(pn.viewable.Viewer):
         """Plot what the study's runs measured, with the bound and the cost model's line."""
         from labavg.jobs.summary import read_summary
 
-        k = cfg.averaging_interval()
+        k = cfg.average_interval()
         points = [p for s in speedups
                   if (p := speedup_point(f"{out.name}/n{s.ranks}", k, s)) is not None]
         largest = out / f"n{max(STUDY_RANKS)}"

@@ -20,7 +20,8 @@ import param
 
 from dashboard.corpus_fit import fit_problems
 from labavg.averaging.registry import method_names
-from labavg.base.settings import check_directory, to_dict, with_overrides
+from labavg.base.paths import check_directory
+from labavg.base.settings import to_dict, with_overrides
 from labavg.training.config import (PRESETS, TrainConfig, check_setting, config_from_dict,
                                     setting_field, setting_type, validate)
 from labavg.data.dataset import check_data_source
@@ -28,7 +29,8 @@ from labavg.base.errors import UserError
 from labavg.jobs.index import flatten_config
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
-# dotted TrainConfig key of each control, by the control's name (the key's last part)
+# dotted TrainConfig key of each control, by the control's name (the key's last part, unless
+# `control` is given another)
 CONTROLS: dict[str, str] = {}
 DEFAULTS = "defaults"  # the preset of TrainConfig's own defaults
 # The key of a problem that no single control owns (settings that contradict each other).
@@ -38,7 +40,7 @@ _KEPT_BY_PRESETS = ("ranks", "average_every", "data")
 _SET_BY_THE_PAGE = ("out", "backend", "tensorboard")
 # One momentum box for the method chosen: BMUF's block momentum or DiLoCo's outer momentum
 # (the same rule, [0, 1)); plain averaging has none, and the box is then not used.
-METHOD_MOMENTUM = {"bmuf": "bmuf.momentum", "diloco": "diloco.momentum"}
+METHOD_MOMENTUM = {"bmuf": "averaging.bmuf.momentum", "diloco": "averaging.diloco.momentum"}
 # How labavg.training.config.check_model_size's refusal begins.
 MODEL_TOO_BIG = "the model does not fit in memory"
 # A per-frame learning rate above this gets a warning beside its box (Kaldi's are below 0.01).
@@ -52,10 +54,11 @@ def _default(key: str) -> Any:
     return f.default_factory()
 
 
-def control(key: str, label: str) -> param.Parameter:
-    """A param Parameter for setting `key`, with the setting's default, choices and help."""
+def control(key: str, label: str, name: str | None = None) -> param.Parameter:
+    """A param Parameter for setting `key`, with the setting's default, choices and help;
+    `name` is the control's (the RunSettings attribute), when not the key's last part."""
     f = setting_field(key)
-    CONTROLS[key.split(".")[-1]] = key
+    CONTROLS[name or key.split(".")[-1]] = key
     rule, doc = f.metadata["rule"], f.metadata["help"]
     hint = setting_type(key)
     kind = next(a for a in getattr(hint, "__args__", None) or (hint,) if a is not type(None))
@@ -84,12 +87,13 @@ class RunSettings(param.Parameterized):
                              label="backend",
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
     ranks = control("ranks", "ranks")
-    average_every = control("average_every", "K (average every)")
-    averaging = control("averaging", "averaging method")
-    momentum = control("bmuf.momentum", "method momentum")
-    reduce = control("reduce", "reduce algorithm")
-    payload = control("payload", "payload")
-    payload_bits = control("payload_bits", "payload bits (int)")
+    average_every = control("averaging.average_every", "K (average every)")
+    # Named as the CLI's flag (--averaging): "method" alone says less beside the other boxes.
+    averaging = control("averaging.method", "averaging method", name="averaging")
+    momentum = control("averaging.bmuf.momentum", "method momentum")
+    reduce = control("averaging.reduce", "reduce algorithm")
+    payload = control("averaging.payload", "payload")
+    payload_bits = control("averaging.payload_bits", "payload bits (int)")
     lr = control("lr", "learning rate")
     final_lr = control("final_lr", "final lr")
     schedule = control("schedule", "schedule")
@@ -138,7 +142,7 @@ class RunSettings(param.Parameterized):
         preset whose values it has (else defaults), `runs_dir` where the run was written."""
         flat = flatten_config(config)
         values: dict[str, Any] = {name: flat[key] for name, key in CONTROLS.items() if key in flat}
-        momentum = METHOD_MOMENTUM.get(flat.get("averaging"))
+        momentum = METHOD_MOMENTUM.get(flat.get(CONTROLS["averaging"]))
         if momentum in flat:
             values["momentum"] = flat[momentum]
         if flat.get("backend") in BACKEND_LABELS.values():
@@ -294,13 +298,13 @@ def describe_config(config: TrainConfig | Mapping[str, Any]) -> str:
     final = cfg.final_lr
     lr = f"lr {cfg.lr:g}" + (f"→{final:g}" if final is not None else "")
     backend = {"inproc": "in-process", "mpi": "MPI"}.get(cfg.backend, cfg.backend)
-    method, payload = cfg.averaging, cfg.payload
+    method, payload = cfg.averaging.method, cfg.averaging.payload
     # Said only when not the paper's: plain averaging of fp32 parameters.
     averaging = (f"{method} · " if method != "model" else "") + (
-        f"{payload}{cfg.payload_bits if payload == 'int' else ''} payload · "
+        f"{payload}{cfg.averaging.payload_bits if payload == 'int' else ''} payload · "
         if payload != "fp32" else "")
     epochs = f"{cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}"
-    return (f"{backend} × {cfg.ranks} ranks · K={cfg.averaging_interval()} · {averaging}"
+    return (f"{backend} × {cfg.ranks} ranks · K={cfg.average_interval()} · {averaging}"
             f"{cfg.optimizer} {lr} ({cfg.schedule}) · pretrain {cfg.pretrain} · "
             f"minibatch {cfg.minibatch} · {epochs} · "
             f"{cfg.model.hidden_layers}×{cfg.model.hidden_dim} · data {Path(str(cfg.data.data)).name}")

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.launch import start_run
 from labavg.data.settings import DataConfig
@@ -32,7 +33,8 @@ def config(average_every: int) -> TrainConfig:
     """The tiny model of the demo, averaging every `average_every` minibatches."""
     return TrainConfig(
         out=str(work / f"run-k{average_every}"), ranks=2, backend="mpi", minibatch=64, epochs=1,
-        average_every=average_every, model=ModelConfig(hidden_layers=1, hidden_dim=32),
+        averaging=AveragingConfig(average_every=average_every),
+        model=ModelConfig(hidden_layers=1, hidden_dim=32),
         data=DataConfig(data=str(corpus), context=2, buffer_frames=2048), tensorboard=False,
     )
 
@@ -58,7 +60,7 @@ for engine in cluster.info():
 # %% two configurations, one after the other, on the same engines
 try:
     for k in (2, 8):
-        print(f"average_every = {k}")
+        print(f"averaging.average_every = {k}")
         run = start_run(config(k), cluster=cluster)  # the one door to a run, on these engines
         while True:
             finished = run.done()  # asked first, so the events polled after it are the last

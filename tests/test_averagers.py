@@ -10,6 +10,7 @@ import csv
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.averaging.methods import BMUFConfig, DiLoCoConfig
+from labavg.averaging.method_settings import BMUFConfig, DiLoCoConfig
 from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
 from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset
@@ -38,12 +39,14 @@ PYTHON = sys.executable
 
 # The settings under which each method is plain averaging.
 PLAIN = {
-    "bmuf": {"bmuf": BMUFConfig(momentum=0.0, block_lr=1.0)},
-    "diloco": {"diloco": DiLoCoConfig(outer_lr=1.0, momentum=0.0)},
+    "bmuf": BMUFConfig(momentum=0.0, block_lr=1.0),
+    "diloco": DiLoCoConfig(outer_lr=1.0, momentum=0.0),
 }
 PLAIN_FLAGS = {
-    "bmuf": ["--averaging", "bmuf", "--set", "bmuf.momentum=0", "--set", "bmuf.block_lr=1"],
-    "diloco": ["--averaging", "diloco", "--set", "diloco.outer_lr=1", "--set", "diloco.momentum=0"],
+    "bmuf": ["--averaging", "bmuf", "--set", "averaging.bmuf.momentum=0",
+             "--set", "averaging.bmuf.block_lr=1"],
+    "diloco": ["--averaging", "diloco", "--set", "averaging.diloco.outer_lr=1",
+               "--set", "averaging.diloco.momentum=0"],
 }
 
 
@@ -272,15 +275,19 @@ def test_make_averager_follows_the_settings():
     flat = torch.zeros(3)
 
     def work(comm):
-        cfg = with_overrides(TrainConfig(), {"averaging": "bmuf", "bmuf.momentum": 0.25,
-                                             "average_every_frames": 2560, "minibatch": 256})
-        averager = make_averager(cfg.averaging_plan(), flat, comm)
+        cfg = with_overrides(TrainConfig(), {"averaging.method": "bmuf",
+                                             "averaging.bmuf.momentum": 0.25,
+                                             "averaging.average_every_frames": 2560,
+                                             "minibatch": 256})
+        averager = make_averager(cfg.averaging, cfg.minibatch, flat, comm)
         assert isinstance(averager, BMUFAverager) and averager.eta == 0.25
         assert averager.every == 10 and averager.due(20, False) and not averager.due(21, False)
         assert averager.due(21, True)
-        cfg = with_overrides(TrainConfig(), {"averaging": "diloco", "diloco.outer_lr": 0.5})
-        assert make_averager(cfg.averaging_plan(), flat, comm).alpha == 0.5
-        assert type(make_averager(TrainConfig().averaging_plan(), flat, comm)) is Averager
+        cfg = with_overrides(TrainConfig(), {"averaging.method": "diloco",
+                                             "averaging.diloco.outer_lr": 0.5})
+        assert make_averager(cfg.averaging, cfg.minibatch, flat, comm).alpha == 0.5
+        cfg = TrainConfig()
+        assert type(make_averager(cfg.averaging, cfg.minibatch, flat, comm)) is Averager
 
     run_inproc(1, work)
 
@@ -293,18 +300,26 @@ def _trained(cfg: TrainConfig) -> list[torch.Tensor]:
     return [final_params(Path(cfg.out), rank) for rank in range(cfg.ranks)]
 
 
+def _config(corpus, out, method, table=None, **changes) -> TrainConfig:
+    """small_config averaging by `method` with `table` (else its defaults) as its table."""
+    cfg = small_config(corpus, out, **changes)
+    averaging = replace(cfg.averaging, method=method)
+    averaging = averaging if table is None else averaging.with_table(table)
+    return validate(replace(cfg, averaging=averaging))
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_plain_settings_train_the_same_model_inproc(corpus, tmp_path, ranks):
-    def trained(name, **changes):
-        return _trained(small_config(corpus, tmp_path / name, ranks=ranks, epochs=1, **changes))
+    def trained(name, method="model", table=None):
+        return _trained(_config(corpus, tmp_path / name, method, table, ranks=ranks, epochs=1))
 
     plain = trained("model")
     assert all(torch.equal(p, plain[0]) for p in plain)
-    for method, settings in PLAIN.items():
-        same = trained(method, averaging=method, **settings)
+    for method, table in PLAIN.items():
+        same = trained(method, method, table)
         assert all(torch.equal(p, plain[0]) for p in same), method
     # The methods are wired into training: their own settings change the model.
-    assert not torch.equal(trained("bmuf-default", averaging="bmuf")[0], plain[0])
+    assert not torch.equal(trained("bmuf-default", "bmuf")[0], plain[0])
 
 
 @pytest.mark.slow
@@ -339,14 +354,14 @@ def test_plain_settings_train_the_same_model_on_torchrun_ranks(corpus, tmp_path)
     assert torch.equal(models["bmuf"], models["model"])
 
 
-@pytest.mark.parametrize("method, settings", [
-    ("bmuf", {"bmuf": BMUFConfig(momentum=0.5)}),
-    ("diloco", {"diloco": DiLoCoConfig()}),
+@pytest.mark.parametrize("method, table", [
+    ("bmuf", BMUFConfig(momentum=0.5)),
+    ("diloco", DiLoCoConfig()),
 ])
-def test_stopped_and_resumed_run_matches_uninterrupted(corpus, tmp_path, method, settings):
-    full = small_config(corpus, tmp_path / "full", averaging=method, **settings)
+def test_stopped_and_resumed_run_matches_uninterrupted(corpus, tmp_path, method, table):
+    full = _config(corpus, tmp_path / "full", method, table)
     summary = run_training(full, progress=False)
-    cfg = small_config(corpus, tmp_path / "run", averaging=method, **settings)
+    cfg = _config(corpus, tmp_path / "run", method, table)
     stopped, resumed = stopped_then_resumed(cfg)
     assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
     assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))
@@ -376,28 +391,32 @@ def _refused(overrides: dict) -> str:
 
 
 @pytest.mark.parametrize("key, value, shown", [
-    ("averaging", "bmfu", "'bmfu'"),
-    ("bmuf.momentum", 1.0, "1.0"),
-    ("bmuf.momentum", -0.1, "-0.1"),
-    ("bmuf.momentum", float("nan"), "nan"),
-    ("bmuf.block_lr", 0.0, "0.0"),
-    ("bmuf.block_lr", -1.0, "-1.0"),
-    ("diloco.momentum", 1.5, "1.5"),
-    ("diloco.outer_lr", 0.0, "0.0"),
-    ("diloco.outer_lr", float("inf"), "inf"),
+    ("averaging.method", "bmfu", "'bmfu'"),
+    ("averaging.bmuf.momentum", 1.0, "1.0"),
+    ("averaging.bmuf.momentum", -0.1, "-0.1"),
+    ("averaging.bmuf.momentum", float("nan"), "nan"),
+    ("averaging.bmuf.block_lr", 0.0, "0.0"),
+    ("averaging.bmuf.block_lr", -1.0, "-1.0"),
+    ("averaging.diloco.momentum", 1.5, "1.5"),
+    ("averaging.diloco.outer_lr", 0.0, "0.0"),
+    ("averaging.diloco.outer_lr", float("inf"), "inf"),
 ])
 def test_bad_averaging_settings_name_key_and_value(key, value, shown):
     message = _refused({key: value})
     assert f"{key} must be" in message and message.endswith(f"got {shown}")
-    if key == "averaging":
+    if key == "averaging.method":
         assert "one of model, bmuf, diloco" in message
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--averaging", "bmfu"], "averaging must be one of model, bmuf, diloco; got 'bmfu'"),
-    (["--set", "bmuf.momentum=1.0"], "bmuf.momentum must be in [0, 1); got 1.0"),
-    (["--set", "diloco.outer_lr=0"], "diloco.outer_lr must be positive and finite; got 0.0"),
-    (["--set", "bmuf.momentun=0.5"], "unknown setting 'bmuf.momentun'"),
+    (["--averaging", "bmfu"], "averaging.method must be one of model, bmuf, diloco; got 'bmfu'"),
+    (["--set", "averaging.bmuf.momentum=1.0"],
+     "averaging.bmuf.momentum must be in [0, 1); got 1.0"),
+    (["--set", "averaging.diloco.outer_lr=0"],
+     "averaging.diloco.outer_lr must be positive and finite; got 0.0"),
+    (["--set", "averaging.bmuf.momentun=0.5"], "unknown setting 'averaging.bmuf.momentun'"),
+    (["--set", "bmuf.momentum=0.5"],
+     "setting 'bmuf.momentum' has moved: it is now 'averaging.bmuf.momentum'"),
 ])
 def test_cli_bad_averaging_settings_exit_2_with_one_line(tmp_path, args, named):
     assert named in cli_refusal(tmp_path, args)
@@ -408,26 +427,28 @@ def test_toml_tables_flags_and_set(tmp_path):
     from labavg.cli.parser import build_parser
 
     path = tmp_path / "c.toml"
-    path.write_text('averaging = "bmuf"\n[bmuf]\nmomentum = 0.5\nnesterov = false\n'
-                    '[diloco]\nouter_lr = 0.3\n')
-    cfg = load_config(path)
-    assert cfg.averaging == "bmuf" and cfg.bmuf == BMUFConfig(momentum=0.5, nesterov=False)
-    assert cfg.diloco.outer_lr == 0.3 and cfg.diloco.momentum == 0.9
-    args = build_parser().parse_args(["train", str(path), "--averaging", "diloco", "--set",
-                                      "diloco.momentum=0.5", "--set", "bmuf.block_lr=2"])
-    cfg = train_config(args)
-    assert (cfg.averaging, cfg.diloco.momentum, cfg.diloco.outer_lr, cfg.bmuf.block_lr) == (
+    path.write_text('[averaging]\nmethod = "bmuf"\n[averaging.bmuf]\nmomentum = 0.5\n'
+                    'nesterov = false\n[averaging.diloco]\nouter_lr = 0.3\n')
+    plan = load_config(path).averaging
+    assert plan.method == "bmuf" and plan.table() == BMUFConfig(momentum=0.5, nesterov=False)
+    assert plan.table("diloco").outer_lr == 0.3 and plan.table("diloco").momentum == 0.9
+    args = build_parser().parse_args(["train", str(path), "--averaging", "diloco",
+                                      "--set", "averaging.diloco.momentum=0.5",
+                                      "--set", "averaging.bmuf.block_lr=2"])
+    plan = train_config(args).averaging
+    diloco = plan.table()
+    assert (plan.method, diloco.momentum, diloco.outer_lr, plan.table("bmuf").block_lr) == (
         "diloco", 0.5, 0.3, 2.0)
-    assert TrainConfig().averaging == "model"  # the paper's method stays the default
-    path.write_text("[bmuf]\nmomentun = 0.5\n")
-    with pytest.raises(UserError, match="unknown key bmuf.momentun"):
+    assert TrainConfig().averaging.method == "model"  # the paper's method stays the default
+    path.write_text("[averaging.bmuf]\nmomentun = 0.5\n")
+    with pytest.raises(UserError, match="unknown key averaging.bmuf.momentun"):
         load_config(path)
 
 
 def test_outer_state_counts_in_the_memory_estimate():
     plain = estimate_memory(TrainConfig(), 440, 3000)
     for method in ("bmuf", "diloco"):
-        cfg = with_overrides(TrainConfig(), {"averaging": method})
+        cfg = with_overrides(TrainConfig(), {"averaging.method": method})
         assert estimate_memory(cfg, 440, 3000) > plain
 
 
@@ -435,14 +456,15 @@ def test_sweep_grid_of_methods(corpus, tmp_path):
     from test_sweep import write_sweep
 
     spec = tmp_path / "s.toml"
-    write_sweep(spec, corpus, 'ranks = [2]\naverage_every = [4]\naveraging = ["model", "bmuf"]')
+    write_sweep(spec, corpus, 'ranks = [2]\n"averaging.average_every" = [4]\n'
+                '"averaging.method" = ["model", "bmuf"]')
     sweep = load_sweep(spec)
-    assert [n for n, _ in sweep.points()] == ["ranks_2-average_every_4-averaging_model",
-                                               "ranks_2-average_every_4-averaging_bmuf"]
+    assert [n for n, _ in sweep.points()] == ["ranks_2-average_every_4-method_model",
+                                               "ranks_2-average_every_4-method_bmuf"]
     run_sweep(sweep, tmp_path / "out")
     table = list(csv.DictReader((tmp_path / "out" / "results.csv").read_text().splitlines()))
     assert [r["averaging"] for r in table] == ["model", "bmuf"]
     assert table[0]["bytes_sent"] == table[1]["bytes_sent"] != ""
-    write_sweep(spec, corpus, 'averaging = ["model", "bmfu"]')
-    with pytest.raises(UserError, match="grid point averaging_bmfu: averaging must be one of"):
+    write_sweep(spec, corpus, '"averaging.method" = ["model", "bmfu"]')
+    with pytest.raises(UserError, match="grid point method_bmfu: averaging.method must be one of"):
         load_sweep(spec)

@@ -16,11 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(seed, wer, ranks=16, k=10, method="model", payload="fp32", bits=8, acc=0.7):
-    name = f"seed_{seed}-ranks_{ranks}-averaging_{method}-average_every_{k}-{payload}{bits}"
+    name = f"seed_{seed}-ranks_{ranks}-method_{method}-average_every_{k}-{payload}{bits}"
     rounds = 1000 // k
     bytes_per_round = 0 if ranks == 1 else 800_000
-    settings = {"seed": seed, "ranks": ranks, "average_every": k, "averaging": method,
-                "payload": payload, "payload_bits": bits, "epochs": 2, "minibatch": 256, "lr": 0.008}
+    settings = {"seed": seed, "ranks": ranks, "averaging.average_every": k,
+                "averaging.method": method, "averaging.payload": payload,
+                "averaging.payload_bits": bits, "epochs": 2, "minibatch": 256, "lr": 0.008}
     return Run(name, settings, {"wer": wer, "cv_frame_accuracy": acc, "averaging_rounds": rounds,
                                 "bytes_sent": bytes_per_round * rounds})
 
@@ -110,7 +111,7 @@ def test_recorded_runs_fill_in_for_missing_run_directories(tmp_path):
     assert by_name[fresh.name].metric("wer") == 99.0 and len(by_name) == 4
     assert with_recorded({"beyond": []}, tmp_path / "missing.jsonl") == {"beyond": []}
     line = json.loads(results.read_text().splitlines()[0])
-    assert line["settings"]["averaging"] in ("model", "bmuf", "diloco")
+    assert line["settings"]["averaging.method"] in ("model", "bmuf", "diloco")
 
 
 def test_experiments_beyond_toml_has_every_cell_with_two_seeds():
@@ -120,7 +121,8 @@ def test_experiments_beyond_toml_has_every_cell_with_two_seeds():
         for method in beyond.METHODS:
             for k in (10, 50, 200):
                 seeds = {o["seed"] for o in points if o.get("ranks") == ranks
-                         and o.get("averaging") == method and o.get("average_every") == k}
+                         and o.get("averaging.method") == method
+                         and o.get("averaging.average_every") == k}
                 assert seeds >= {0, 1}, (ranks, method, k)
     assert sweep.base.decode_data  # every point is decoded: the section's error rate is WER
 

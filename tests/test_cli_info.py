@@ -13,8 +13,8 @@ from labavg.cli.main import main
 def _run(path: Path, ranks: int, finished: bool = True) -> Path:
     """A run directory as labavg writes one: config.json, and summary.json once it has ended."""
     path.mkdir(parents=True)
-    config = {"ranks": ranks, "average_every": 10, "optimizer": "ngsgd", "lr": 0.016,
-              "model": {"hidden_layers": 4, "hidden_dim": 512}}
+    config = {"ranks": ranks, "averaging": {"average_every": 10}, "optimizer": "ngsgd",
+              "lr": 0.016, "model": {"hidden_layers": 4, "hidden_dim": 512}}
     (path / "config.json").write_text(json.dumps(config))
     (path / "events.jsonl").write_text("")
     if finished:
@@ -109,6 +109,27 @@ def test_info_names_a_broken_summary(runs, capsys):
     (runs / "k10" / "summary.json").write_text("{")
     code, _, err = _info(capsys, runs)
     assert code == 2 and str(runs / "k10" / "summary.json") in err
+
+
+@pytest.mark.parametrize("file", ["summary.json", "config.json"])
+def test_info_names_a_run_written_before_the_averaging_section_and_lists_the_others(
+        runs, capsys, file):
+    # an earlier labavg wrote K at the config's top level; a finished run's summary.json
+    # holds its config too
+    old = runs / "quickstart-20250101-120000" / "ranks2"
+    if file == "config.json":
+        (old / "summary.json").unlink()
+    values = json.loads((old / file).read_text())
+    config = values["config"] if file == "summary.json" else values
+    config.pop("averaging")
+    config["average_every"] = 10
+    (old / file).write_text(json.dumps(values))
+    code, lines, err = _info(capsys, runs / "quickstart-20250101-120000", runs / "k10")
+    assert code == 2
+    assert _runs_in_table(lines) == ["runs/quickstart-20250101-120000/ranks1", "runs/k10"]
+    assert err.splitlines() == [
+        f"labavg: error: {old / file}: {'config: ' if file == 'summary.json' else ''}"
+        "settings have moved: average_every is now averaging.average_every"]
 
 
 def test_info_into_a_closed_pipe_exits_quietly(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.cluster_run import RunError
 from labavg.jobs.launch import start_run
@@ -51,7 +52,8 @@ def cluster(tmp_path_factory):
 
 def make_cfg(out: Path, corpus: Path, average_every: int, epochs: int = 1) -> TrainConfig:
     return TrainConfig(out=str(out), ranks=2, backend="mpi", minibatch=64, epochs=epochs,
-                       average_every=average_every, model=ModelConfig(hidden_layers=1, hidden_dim=32),
+                       averaging=AveragingConfig(average_every=average_every),
+                       model=ModelConfig(hidden_layers=1, hidden_dim=32),
                        data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
                        tensorboard=False)
 

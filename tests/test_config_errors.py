@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.settings import HierarchyConfig
 from labavg.training.memory import MEMORY_FRACTION
 from labavg.training.config import (TrainConfig, check_model_size, config_from_dict,
                                     estimate_memory, load_config, validate)
-from labavg.base.settings import with_overrides
+from labavg.base.settings import to_dict, with_overrides
 from labavg.base.errors import UserError
 from labavg.training.model import DNN, count_parameters
 from labavg.training.settings import ModelConfig
@@ -158,8 +160,56 @@ def test_config_from_dict_wrong_shapes(values, expected):
     assert str(info.value).startswith(expected)
 
 
+def _refused_file(path: Path, text: str) -> str:
+    path.write_text(text)
+    with pytest.raises(UserError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{path}: ")
+    return message
+
+
+def test_a_file_of_an_earlier_labavg_is_refused_naming_each_move(tmp_path):
+    message = _refused_file(tmp_path / "old.toml", 'average_every = 5\naveraging = "bmuf"\n'
+                            '[hierarchy]\nevery = 4\nnode_size = 2\n')
+    assert "settings have moved" in message
+    for old, new in (("average_every", "averaging.average_every"),
+                     ("averaging", "averaging.method"), ("hierarchy", "averaging.hierarchy")):
+        assert f"{old} is now {new}" in message
+    message = _refused_file(tmp_path / "every.toml", "[averaging.hierarchy]\nevery = 4\n")
+    assert "averaging.hierarchy.every is now averaging.hierarchy.across_nodes_every" in message
+
+
+def test_an_override_of_a_moved_setting_says_where_it_went():
+    for old, new in (("average_every", "averaging.average_every"),
+                     ("bmuf.momentum", "averaging.bmuf.momentum"),
+                     ("hierarchy.every", "averaging.hierarchy.across_nodes_every")):
+        with pytest.raises(UserError) as info:
+            with_overrides(TrainConfig(), {old: 5})
+        assert str(info.value) == f"setting {old!r} has moved: it is now {new!r}"
+
+
+def test_an_averaging_section_round_trips_through_plain_values(tmp_path):
+    path = tmp_path / "new.toml"
+    path.write_text(f'out = "{tmp_path / "run"}"\nranks = 4\n[averaging]\nmethod = "bmuf"\n'
+                    'average_every = 20\npayload = "int"\npayload_bits = 4\n'
+                    'error_feedback = false\n[averaging.bmuf]\nmomentum = 0.5\n'
+                    '[averaging.diloco]\nouter_lr = 0.3\n'
+                    '[averaging.hierarchy]\nacross_nodes_every = 40\nnode_size = 2\n')
+    cfg = validate(load_config(path))
+    plan = cfg.averaging
+    assert (plan.method, plan.average_every, plan.payload, plan.payload_bits,
+            plan.error_feedback) == ("bmuf", 20, "int", 4, False)
+    assert plan.table() == BMUFConfig(momentum=0.5) and plan.table("diloco").outer_lr == 0.3
+    assert plan.hierarchy == HierarchyConfig(across_nodes_every=40, node_size=2)
+    values = to_dict(cfg)
+    again = config_from_dict(values, "config.json")
+    assert again == cfg and to_dict(again) == values
+
+
 @pytest.mark.parametrize("setting, named", [
     ("ngsgd.rank_in=0", "ngsgd.rank_in must be positive; got 0"),
+    ("average_every=5", "setting 'average_every' has moved: it is now 'averaging.average_every'"),
     ("lr=inf", "lr must be positive and finite; got inf"),
     ("threads=100000", "got 100000"),
     ("model.hidden_dim=1000000000000", "model.hidden_dim=1000000000000"),

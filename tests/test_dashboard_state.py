@@ -96,9 +96,10 @@ def test_bad_values_are_kept_and_named_in_the_boxes_words(corpus, tmp_path):
     settings.param.update(ranks=0, average_every=0, lr=-0.1)
     # The typed values stay (nothing puts the old ones back) and each has its message.
     assert (settings.ranks, settings.average_every, settings.lr) == (0, 0, -0.1)
-    assert settings.errors == {"ranks": _box_words("ranks", "ranks", 0),
-                               "average_every": _box_words("average_every", "K (average every)", 0),
-                               "lr": _box_words("lr", "learning rate", -0.1)}
+    assert settings.errors == {
+        "ranks": _box_words("ranks", "ranks", 0),
+        "average_every": _box_words("averaging.average_every", "K (average every)", 0),
+        "lr": _box_words("lr", "learning rate", -0.1)}
     assert settings.errors["average_every"] == "K (average every) must be positive; got 0"
     live = LiveRun()
     assert live.start(settings) is False and not live.running
@@ -241,44 +242,53 @@ def test_to_config_maps_every_control(corpus, tmp_path):
                              lr=0.01, final_lr=0.0005, schedule="newbob", optimizer="ngsgd",
                              minibatch=128, epochs=3, hidden_layers=2, hidden_dim=48)
     cfg = settings.to_config(tmp_path / "r")
-    assert (cfg.out, cfg.backend, cfg.ranks, cfg.average_every) == (str(tmp_path / "r"), "mpi", 4, 7)
+    assert (cfg.out, cfg.backend, cfg.ranks, cfg.averaging.average_every) == (
+        str(tmp_path / "r"), "mpi", 4, 7)
     assert (cfg.lr, cfg.final_lr, cfg.schedule, cfg.optimizer) == (0.01, 0.0005, "newbob", "ngsgd")
     assert (cfg.minibatch, cfg.epochs, cfg.model.hidden_layers, cfg.model.hidden_dim) == (128, 3, 2, 48)
     assert (cfg.data.data, cfg.data.context, cfg.data.buffer_frames) == (str(corpus), 2, 2048)
     assert cfg.tensorboard is False and cfg.final_learning_rate() == 0.0005
-    assert (cfg.averaging, cfg.reduce) == ("model", "allreduce")
+    assert (cfg.averaging.method, cfg.averaging.reduce) == ("model", "allreduce")
 
 
 def test_the_momentum_box_sets_the_chosen_methods_momentum(corpus, tmp_path):
     settings = tiny_settings(corpus, tmp_path, averaging="bmuf", momentum=0.75, reduce="ring")
     cfg = settings.to_config(tmp_path / "r")
-    assert (cfg.averaging, cfg.reduce, cfg.bmuf.momentum) == ("bmuf", "ring", 0.75)
-    assert cfg.diloco.momentum == TrainConfig().diloco.momentum
+    default = TrainConfig().averaging
+    assert (cfg.averaging.method, cfg.averaging.reduce, cfg.averaging.table("bmuf").momentum) == (
+        "bmuf", "ring", 0.75)
+    assert cfg.averaging.table("diloco").momentum == default.table("diloco").momentum
     settings.averaging = "diloco"
     cfg = settings.to_config(tmp_path / "r")
-    assert (cfg.diloco.momentum, cfg.bmuf.momentum) == (0.75, TrainConfig().bmuf.momentum)
+    assert (cfg.averaging.table().momentum, cfg.averaging.table("bmuf").momentum) == (
+        0.75, default.table("bmuf").momentum)
     settings.momentum = 1.0
     # Named in the box's words, by the rule of the setting the box stands for now.
-    assert settings.errors == {"momentum": _box_words("diloco.momentum", "method momentum", 1.0)}
+    assert settings.errors == {"momentum": _box_words("averaging.diloco.momentum",
+                                                      "method momentum", 1.0)}
     assert settings.errors["momentum"].startswith("method momentum must be")
     settings.averaging = "model"  # plain averaging has no momentum: the box is not used
     assert settings.errors == {} and settings.key_of("momentum") is None
-    assert settings.to_config(tmp_path / "r").bmuf.momentum == TrainConfig().bmuf.momentum
+    assert (settings.to_config(tmp_path / "r").averaging.table("bmuf").momentum
+            == default.table("bmuf").momentum)
 
 
 def test_the_payload_bits_box_is_used_only_for_integer_codes(corpus, tmp_path):
     settings = tiny_settings(corpus, tmp_path, payload="bf16", payload_bits=5)
     assert settings.errors == {} and settings.key_of("payload_bits") is None  # bf16 has no bits
-    assert settings.to_config(tmp_path / "r").payload_bits == TrainConfig().payload_bits
+    assert (settings.to_config(tmp_path / "r").averaging.payload_bits
+            == TrainConfig().averaging.payload_bits)
     settings.payload = "int"
-    assert settings.errors == {"payload_bits": _box_words("payload_bits", "payload bits (int)", 5)}
+    assert settings.errors == {"payload_bits": _box_words("averaging.payload_bits",
+                                                          "payload bits (int)", 5)}
     settings.payload_bits = 4
     cfg = settings.to_config(tmp_path / "r")
-    assert (cfg.payload, cfg.payload_bits) == ("int", 4)
+    assert (cfg.averaging.payload, cfg.averaging.payload_bits) == ("int", 4)
     from labavg.base.settings import to_dict
 
-    line = describe_config({**to_dict(cfg), "averaging": "bmuf"})
-    assert "K=10 · bmuf · int4 payload · ngsgd" in line.replace(f"K={cfg.average_every}", "K=10")
+    line = describe_config(to_dict(with_overrides(cfg, {"averaging.method": "bmuf"})))
+    assert "K=10 · bmuf · int4 payload · ngsgd" in line.replace(
+        f"K={cfg.averaging.average_every}", "K=10")
     assert "payload" not in describe_config(to_dict(TrainConfig()))  # the paper's: not said
 
 
@@ -677,7 +687,8 @@ def test_labavg_dashboard_command_serves_the_app(tmp_path):
 def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path):
     # 256 frames of 64-frame minibatches: K = 4, while the K control still says 2.
     settings = tiny_settings(corpus, tmp_path / "runs", ranks=1,
-                             overrides={"data.buffer_frames": 2048, "average_every_frames": 256})
+                             overrides={"data.buffer_frames": 2048,
+                                        "averaging.average_every_frames": 256})
     live = LiveRun()
     assert live.start(settings), live.status
     assert "K=4" in live.status and Path(live.run_dir).name.endswith("-n1-k4")

@@ -1,5 +1,6 @@
-"""Hierarchical averaging ([hierarchy], labavg.averaging.hierarchy.HierarchicalAverager): node rounds every
-K minibatches, the method's round across all ranks every K2; the communicators' `split`.
+"""Hierarchical averaging ([averaging.hierarchy], labavg.averaging.hierarchy.HierarchicalAverager):
+node rounds every K minibatches, the method's round across all ranks every K2 (its
+across_nodes_every); the communicators' `split`.
 
 Real inproc threads, real MPICH ranks (mpiexec started by the CLI), real torchrun/gloo ranks.
 """
@@ -21,8 +22,8 @@ from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
 from labavg.comm.inproc import run_inproc
 from labavg.comm.inproc_group import tree_sum
-from labavg.averaging.methods import BMUFConfig
-from labavg.averaging.settings import HierarchyConfig
+from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.settings import AveragingConfig, HierarchyConfig
 from labavg.training.config import TrainConfig, validate
 from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset
@@ -38,6 +39,10 @@ from support import cli_refusal
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 U = 2.0**-24  # float32's unit roundoff
+# A run's flags for rounds across nodes every 6 minibatches, and nodes of 2 ranks.
+ACROSS_6 = ["--set", "averaging.hierarchy.across_nodes_every=6"]
+NODES_OF_2 = ["--set", "averaging.hierarchy.node_size=2"]
+MINIBATCH = TrainConfig().minibatch  # counts only for averaging.average_every_frames
 
 
 def _env() -> dict[str, str]:
@@ -189,16 +194,26 @@ def _trained(cfg: TrainConfig) -> list[torch.Tensor]:
     return [final_params(Path(cfg.out), rank) for rank in range(cfg.ranks)]
 
 
+def _config(corpus, out, averaging=None, **changes) -> TrainConfig:
+    """small_config with `averaging`'s settings (dotted keys) on top of its own."""
+    return validate(with_overrides(small_config(corpus, out, **changes), averaging or {}))
+
+
+def _hierarchy(across_nodes_every: int, node_size: int) -> dict[str, int]:
+    return {"averaging.hierarchy.across_nodes_every": across_nodes_every,
+            "averaging.hierarchy.node_size": node_size}
+
+
 def test_hierarchy_every_k_and_off_train_the_flat_run_bit_for_bit(corpus, tmp_path):
-    def trained(name, **changes):
-        return _trained(small_config(corpus, tmp_path / name, ranks=4, epochs=1, **changes))
+    def trained(name, averaging=None):
+        return _trained(_config(corpus, tmp_path / name, averaging, ranks=4, epochs=1))
 
     flat = trained("flat")
     assert all(torch.equal(p, flat[0]) for p in flat)
-    every_k = trained("every-k", hierarchy=HierarchyConfig(every=3, node_size=2))
-    off = trained("off", hierarchy=HierarchyConfig(every=0, node_size=2))
-    one_node = trained("one-node", hierarchy=HierarchyConfig(every=6, node_size=4))
-    two_nodes = trained("two-nodes", hierarchy=HierarchyConfig(every=6, node_size=2))
+    every_k = trained("every-k", _hierarchy(3, 2))
+    off = trained("off", _hierarchy(0, 2))
+    one_node = trained("one-node", _hierarchy(6, 4))
+    two_nodes = trained("two-nodes", _hierarchy(6, 2))
     for same in (every_k, off, one_node):
         assert all(torch.equal(p, flat[0]) for p in same)
     # Two nodes averaging among themselves in between train another model (the same on all
@@ -218,10 +233,9 @@ def _until_checkpoint(cfg: TrainConfig, step: int) -> None:
 
 def test_bmuf_run_resumed_after_a_node_round_matches_uninterrupted(corpus, tmp_path):
     # K = 3, K2 = 9, a checkpoint every 2 rounds: the first is at step 6, after a node round.
-    changes = dict(ranks=4, averaging="bmuf", bmuf=BMUFConfig(momentum=0.5),
-                   hierarchy=HierarchyConfig(every=9, node_size=2))
-    full = _trained(small_config(corpus, tmp_path / "full", **changes))
-    cfg = small_config(corpus, tmp_path / "run", **changes)
+    changes = {"averaging.method": "bmuf", "averaging.bmuf.momentum": 0.5, **_hierarchy(9, 2)}
+    full = _trained(_config(corpus, tmp_path / "full", changes, ranks=4))
+    cfg = _config(corpus, tmp_path / "run", changes, ranks=4)
     _until_checkpoint(cfg, 6)
     assert checkpoint.latest_step(tmp_path / "run") == (6, 4)
     saved = [checkpoint.load_rank_state(tmp_path / "run", 6, r) for r in range(4)]
@@ -239,7 +253,7 @@ def test_bmuf_run_resumed_after_a_node_round_matches_uninterrupted(corpus, tmp_p
 def test_events_and_summary_count_each_scope(corpus, tmp_path):
     out = tmp_path / "run"
     proc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--out", str(out),
-                "--set", "hierarchy.every=6", "--set", "hierarchy.node_size=2")
+                *ACROSS_6, *NODES_OF_2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(out)
     rounds = [e for e in read_events(out) if e["type"] == "average" and e["rank"] == 0]
@@ -261,7 +275,7 @@ def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp
     out = tmp_path / "run"
     proc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--out", str(out),
                 "--averaging", "bmuf", "--payload", "int", "--payload-bits", "8",
-                "--set", "hierarchy.every=6", "--set", "hierarchy.node_size=2")
+                *ACROSS_6, *NODES_OF_2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(out)
     n = summary["num_params"]
@@ -278,14 +292,17 @@ def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"hierarchy.every": 25, "hierarchy.node_size": 2},
-     "hierarchy.every = 25 is not a multiple of average_every = 10"),
-    ({"hierarchy.every": 20, "hierarchy.node_size": 3, "ranks": 4},
-     "hierarchy.node_size = 3 does not divide the 4 ranks"),
-    ({"hierarchy.every": 20}, "hierarchy.node_size = 0 (the hosts' shared-memory groups) cannot"),
-    ({"hierarchy.every": -1}, "hierarchy.every must be >= 0; got -1"),
-    ({"hierarchy.every": 3, "average_every_frames": 512, "minibatch": 256, "hierarchy.node_size": 1},
-     "hierarchy.every = 3 is not a multiple of K = 2 (average_every_frames = 512)"),
+    (_hierarchy(25, 2), "averaging.hierarchy.across_nodes_every = 25 is not a multiple of "
+     "averaging.average_every = 10"),
+    ({**_hierarchy(20, 3), "ranks": 4},
+     "averaging.hierarchy.node_size = 3 does not divide the 4 ranks"),
+    ({"averaging.hierarchy.across_nodes_every": 20},
+     "averaging.hierarchy.node_size = 0 (the hosts' shared-memory groups) cannot"),
+    ({"averaging.hierarchy.across_nodes_every": -1},
+     "averaging.hierarchy.across_nodes_every must be >= 0; got -1"),
+    ({**_hierarchy(3, 1), "averaging.average_every_frames": 512, "minibatch": 256},
+     "averaging.hierarchy.across_nodes_every = 3 is not a multiple of K = 2 "
+     "(averaging.average_every_frames = 512)"),
 ])
 def test_bad_hierarchy_settings_are_refused_in_one_line(overrides, named):
     with pytest.raises(UserError) as info:
@@ -294,12 +311,17 @@ def test_bad_hierarchy_settings_are_refused_in_one_line(overrides, named):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--set", "hierarchy.every=25"], "hierarchy.every = 25 is not a multiple of average_every = 10"),
-    (["--ranks", "4", "--set", "hierarchy.every=20", "--set", "hierarchy.node_size=3"],
-     "hierarchy.node_size = 3 does not divide the 4 ranks"),
-    (["--ranks", "4", "--set", "hierarchy.every=20"], "hierarchy.node_size = 0"),
-    (["--backend", "mpi", "--ranks", "3", "--set", "hierarchy.every=20",
-      "--set", "hierarchy.node_size=2"], "hierarchy.node_size = 2 does not divide the 3 ranks"),
+    (["--set", "averaging.hierarchy.across_nodes_every=25"],
+     "averaging.hierarchy.across_nodes_every = 25 is not a multiple of "
+     "averaging.average_every = 10"),
+    (["--ranks", "4", "--set", "averaging.hierarchy.across_nodes_every=20",
+      "--set", "averaging.hierarchy.node_size=3"],
+     "averaging.hierarchy.node_size = 3 does not divide the 4 ranks"),
+    (["--ranks", "4", "--set", "averaging.hierarchy.across_nodes_every=20"],
+     "averaging.hierarchy.node_size = 0"),
+    (["--backend", "mpi", "--ranks", "3", "--set", "averaging.hierarchy.across_nodes_every=20",
+      "--set", "averaging.hierarchy.node_size=2"],
+     "averaging.hierarchy.node_size = 2 does not divide the 3 ranks"),
 ])
 def test_cli_bad_hierarchy_settings_exit_2_with_one_line(tmp_path, args, named):
     assert named in cli_refusal(tmp_path, args)
@@ -308,9 +330,9 @@ def test_cli_bad_hierarchy_settings_exit_2_with_one_line(tmp_path, args, named):
 def test_make_averager_wraps_only_with_a_hierarchy():
     def work(comm):
         flat = torch.zeros(4)
-        plain = make_averager(TrainConfig(ranks=4).averaging_plan(), flat, comm)
-        cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2))
-        hier = make_averager(cfg.averaging_plan(), flat, comm)
+        plain = make_averager(AveragingConfig(), MINIBATCH, flat, comm)
+        plan = AveragingConfig(average_every=5, hierarchy=HierarchyConfig(20, 2))
+        hier = make_averager(plan, MINIBATCH, flat, comm)
         return type(plain), type(hier), hier.node.size, hier.every, hier.every_all
 
     assert run_inproc(4, work) == [(Averager, HierarchicalAverager, 2, 5, 20)] * 4
@@ -320,11 +342,10 @@ def test_averagers_describe_what_the_run_reports():
     """RunStarted's averaging fields come from describe(), the hierarchy's included."""
     def work(comm):
         flat = torch.zeros(10)
-        int4 = TrainConfig(ranks=4, payload="int", payload_bits=4, error_feedback=False)
-        cfg = TrainConfig(ranks=4, average_every=5, hierarchy=HierarchyConfig(20, 2),
-                          averaging="bmuf")
-        return (make_averager(int4.averaging_plan(), flat, comm).describe(flat),
-                make_averager(cfg.averaging_plan(), flat, comm).describe(flat))
+        int4 = AveragingConfig(payload="int", payload_bits=4, error_feedback=False)
+        plan = AveragingConfig(method="bmuf", average_every=5, hierarchy=HierarchyConfig(20, 2))
+        return (make_averager(int4, MINIBATCH, flat, comm).describe(flat),
+                make_averager(plan, MINIBATCH, flat, comm).describe(flat))
 
     plain, hier = run_inproc(4, work)[0]
     assert (plain.averaging, plain.payload, plain.hierarchy_every, plain.node_ranks) == (
@@ -342,11 +363,10 @@ def test_mpi_ranks_by_node_size_and_by_shared_memory(corpus, tmp_path):
     common = ["train", "--data", str(corpus), "--ranks", "4", *SMALL]
     runs = {
         "flat-mpi": ["--backend", "mpi"],
-        "two-mpi": ["--backend", "mpi", "--set", "hierarchy.every=6",
-                    "--set", "hierarchy.node_size=2"],
+        "two-mpi": ["--backend", "mpi", *ACROSS_6, *NODES_OF_2],
         # One host: its shared memory holds all 4 ranks, one node.
-        "host-mpi": ["--backend", "mpi", "--set", "hierarchy.every=6"],
-        "two-inproc": ["--set", "hierarchy.every=6", "--set", "hierarchy.node_size=2"],
+        "host-mpi": ["--backend", "mpi", *ACROSS_6],
+        "two-inproc": [*ACROSS_6, *NODES_OF_2],
     }
     for name, flags in runs.items():
         proc = _cli(*common, *flags, "--out", str(tmp_path / name))
@@ -366,19 +386,16 @@ def test_mpi_ranks_by_node_size_and_by_shared_memory(corpus, tmp_path):
 @pytest.mark.slow
 def test_torchrun_ranks_by_node_size_and_by_node(corpus, tmp_path):
     torchrun = Path(PYTHON).parent / "torchrun"
-    common = ["--data", str(corpus), "--ranks", "4", "--backend", "torch", *SMALL,
-              "--set", "hierarchy.every=6"]
-    for i, (name, flags) in enumerate((("two", ["--set", "hierarchy.node_size=2"]),
-                                       ("node", []))):
+    common = ["--data", str(corpus), "--ranks", "4", "--backend", "torch", *SMALL, *ACROSS_6]
+    for i, (name, flags) in enumerate((("two", NODES_OF_2), ("node", []))):
         proc = subprocess.run(
             [str(torchrun), "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
              "--master-port", str(29700 + (os.getpid() + i) % 1000), "-m", "labavg", "train",
              *common, *flags, "--out", str(tmp_path / name)],
             capture_output=True, text=True, timeout=300, env=_env())
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    inproc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--set",
-                  "hierarchy.every=6", "--set", "hierarchy.node_size=2", "--out",
-                  str(tmp_path / "inproc"))
+    inproc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, *ACROSS_6, *NODES_OF_2,
+                  "--out", str(tmp_path / "inproc"))
     assert inproc.returncode == 0, inproc.stderr[-3000:]
     assert read_summary(tmp_path / "two")["node_ranks"] == 2
     assert read_summary(tmp_path / "node")["node_ranks"] == 4  # torchrun's one node

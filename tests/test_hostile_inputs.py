@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from labavg.cli.main import main
-from tests.support import PYTHON, REPO, child_env
+from tests.support import PYTHON, REPO, child_env, cli_refusal
 
-CONFIG = {"ranks": 1, "average_every": 10, "optimizer": "ngsgd", "lr": 0.016,
+CONFIG = {"ranks": 1, "averaging": {"average_every": 10}, "optimizer": "ngsgd", "lr": 0.016,
           "model": {"hidden_layers": 4, "hidden_dim": 512}}
 
 
@@ -234,6 +234,19 @@ def test_report_only_names_a_damaged_run_summary_instead_of_leaving_the_run_out(
     assert len(err) == 1 and f"{run / 'summary.json'}: not valid JSON" in err[0], err
     assert f"remove {run} to train it again" in err[0]
     assert not (tmp_path / "R.md").exists()
+
+
+def test_an_earlier_labavgs_averaging_settings_are_refused_with_where_they_went(tmp_path):
+    old = tmp_path / "old.toml"
+    old.write_text("average_every = 5\n[bmuf]\nmomentum = 0.5\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    line = cli_refusal(work, [str(old)])
+    assert line == (f"labavg: error: {old}: settings have moved: average_every is now "
+                    f"averaging.average_every, bmuf is now averaging.bmuf")
+    line = cli_refusal(work, ["--set", "average_every=5"])
+    assert line == ("labavg: error: setting 'average_every' has moved: it is now "
+                    "'averaging.average_every'")
 
 
 class _RunsCode:

@@ -13,7 +13,6 @@ import torch
 from labavg.averaging.factory import make_averager
 from labavg.averaging.methods import Averager
 from labavg.averaging.registry import methods, register, unregister
-from labavg.averaging.settings import AveragingPlan
 from labavg.base.errors import UserError
 from labavg.base.settings import real, setting, to_dict, with_overrides
 from labavg.comm.inproc import run_inproc
@@ -57,24 +56,28 @@ def half():
 
 def _half_config(tmp_path, share: float = 0.25) -> TrainConfig:
     path = tmp_path / "half.toml"
-    path.write_text(f'averaging = "half"\nout = "{tmp_path / "run"}"\n\n[half]\nshare = {share}\n')
+    path.write_text(f'out = "{tmp_path / "run"}"\n\n[averaging]\nmethod = "half"\n'
+                    f'average_every = 4\n\n[averaging.half]\nshare = {share}\n')
     return load_config(path)
 
 
 def test_the_schema_reads_a_registered_method_and_its_table(half, tmp_path):
     cfg = validate(_half_config(tmp_path))
-    assert cfg.averaging == "half" and cfg.half == HalfConfig(share=0.25)
-    assert to_dict(cfg)["half"] == {"share": 0.25}
-    assert with_overrides(cfg, {"half.share": 0.75}).half.share == 0.75
-    with pytest.raises(UserError, match=r"^half.share must be in \[0, 1\]; got 2.0$"):
+    assert cfg.averaging.method == "half"
+    assert cfg.averaging.table("half") == HalfConfig(share=0.25)
+    assert cfg.averaging.table() == HalfConfig(share=0.25)  # the chosen method's table
+    assert to_dict(cfg)["averaging"]["half"] == {"share": 0.25}
+    assert with_overrides(cfg, {"averaging.half.share": 0.75}).averaging.table().share == 0.75
+    with pytest.raises(UserError, match=r"^averaging.half.share must be in \[0, 1\]; got 2.0$"):
         validate(_half_config(tmp_path, share=2))
-    assert cfg.averaging_plan().method_settings == HalfConfig(share=0.25)
 
 
 def test_an_unregistered_method_is_refused(tmp_path):
-    with pytest.raises(UserError, match="averaging must be one of model, bmuf, diloco; got 'half'"):
-        validate(with_overrides(TrainConfig(out=str(tmp_path / "run")), {"averaging": "half"}))
-    with pytest.raises(UserError, match="unknown key half"):
+    with pytest.raises(UserError,
+                       match="averaging.method must be one of model, bmuf, diloco; got 'half'"):
+        validate(with_overrides(TrainConfig(out=str(tmp_path / "run")),
+                                {"averaging.method": "half"}))
+    with pytest.raises(UserError, match="unknown key averaging.half"):
         _half_config(tmp_path)
 
 
@@ -87,18 +90,20 @@ def test_a_name_is_registered_once(half):
     assert register(HalfAverager) is HalfAverager  # the same class again changes nothing
 
 
-def test_the_factory_builds_the_registered_class_with_its_section(half):
+def test_the_factory_builds_the_registered_class_with_its_section(half, tmp_path):
+    cfg = validate(_half_config(tmp_path, share=0.5))  # [averaging.half] from the TOML file
+
     def work(comm):
         flat = torch.zeros(4)  # every rank starts the block from the same global model
-        plan = AveragingPlan(method="half", every=1, method_settings=HalfConfig(share=0.5))
-        averager = make_averager(plan, flat, comm)
+        averager = make_averager(cfg.averaging, cfg.minibatch, flat, comm)
         flat.fill_(float(comm.rank))  # what the block's minibatches made of it
         averager.round(flat)
-        return type(averager), flat.clone()
+        return type(averager), (averager.share, averager.every), flat.clone()
 
-    (kind, first), (_, second) = run_inproc(2, work)
+    (kind, settings, first), (_, _, second) = run_inproc(2, work)
+    assert kind is HalfAverager and settings == (0.5, 4)  # the file's share and K
     # Global model 0, average 0.5: halfway is 0.25 on both ranks.
-    assert kind is HalfAverager and torch.equal(first, second)
+    assert torch.equal(first, second)
     assert torch.allclose(first, torch.full((4,), 0.25))
 
 
@@ -112,9 +117,9 @@ def test_the_cli_lists_and_takes_it(half, tmp_path, monkeypatch):
         parser._subparsers._group_actions[0].choices["train"].format_help().split())
     assert "model | bmuf | diloco | half" in train_help
     assert "half (a toy: half of each round's change)" in train_help
-    args = parser.parse_args(["train", "--averaging", "half", "--set", "half.share=0.1"])
-    cfg = train_config(args)
-    assert (cfg.averaging, cfg.half.share) == ("half", 0.1)
+    args = parser.parse_args(["train", "--averaging", "half", "--set", "averaging.half.share=0.1"])
+    plan = train_config(args).averaging
+    assert (plan.method, plan.table().share) == ("half", 0.1)
 
 
 def test_the_dashboard_form_offers_it(half, tmp_path):
@@ -144,9 +149,9 @@ def test_the_beyond_tables_label_it(half):
     from labavg.studies.reproduction.results import Run
 
     assert list(beyond.METHODS) == list(methods()) and "half" in beyond.METHODS
-    runs = [Run(f"seed_{s}-ranks_{n}-{m}", {"seed": s, "ranks": n, "average_every": 10,
-                                             "averaging": m, "payload": "fp32", "epochs": 2,
-                                             "minibatch": 256, "lr": 0.008},
+    runs = [Run(f"seed_{s}-ranks_{n}-{m}", {"seed": s, "ranks": n, "averaging.average_every": 10,
+                                             "averaging.method": m, "averaging.payload": "fp32",
+                                             "epochs": 2, "minibatch": 256, "lr": 0.008},
                 {"wer": 12.0 + s, "cv_frame_accuracy": 0.7, "averaging_rounds": 100,
                  "bytes_sent": 8e7 if n > 1 else 0})
             for s in (0, 1, 2) for n, m in ((1, "model"), (16, "model"), (16, "half"))]

@@ -340,13 +340,14 @@ def test_mpi_hierarchy_node_size_0_groups_ranks_by_host(nodes, corpus, tmp_path)
     # grouping must be hydra's placement (ranks 0, 1 on the first host): the model then equals
     # the inproc run whose node_size = 2 groups ranks 0, 1 and 2, 3.
     hosts = ",".join(f"{host}:2" for host in nodes.hosts)
-    flags = ["--data", str(corpus), "--ranks", "4", *SMALL, "--set", "hierarchy.every=6"]
+    flags = ["--data", str(corpus), "--ranks", "4", *SMALL, "--set",
+             "averaging.hierarchy.across_nodes_every=6"]
     out = tmp_path / "net"
     proc = _labavg("train", *flags, "--backend", "mpi", "--out", str(out), "--hosts", hosts,
                    nodes=nodes, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_summary(out)["node_ranks"] == 2
     ref = tmp_path / "inproc"
-    proc = _labavg("train", *flags, "--set", "hierarchy.node_size=2", "--out", str(ref))
+    proc = _labavg("train", *flags, "--set", "averaging.hierarchy.node_size=2", "--out", str(ref))
     assert proc.returncode == 0, proc.stderr[-3000:]
     torch.testing.assert_close(final_params(out), final_params(ref), rtol=1e-5, atol=1e-6)

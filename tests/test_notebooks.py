@@ -56,7 +56,7 @@ EXPECTED_RUNS = {
                                "sweeps/07-measure-speedup/n2"],
     "08-reproducing-the-paper": [],  # it reads experiments/reproduction-results.jsonl
     "09-beyond-the-paper": ["sweeps/09-methods/runs/ranks_1"] + [
-        f"sweeps/09-methods/runs/averaging_{m}-average_every_{k}"
+        f"sweeps/09-methods/runs/method_{m}-average_every_{k}"
         for m in ("model", "bmuf", "diloco") for k in (2, 16)],
 }
 
@@ -278,12 +278,12 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert "against the paper's effect and against zero" in shown
     if name == "09-beyond-the-paper":
         assert "K=16: gain over model in CV frame accuracy (points, one seed): bmuf " in text
-        averaging = {s["config"]["averaging"] for s in _summaries(work).values()}
+        averaging = {s["config"]["averaging"]["method"] for s in _summaries(work).values()}
         assert averaging == {"model", "bmuf", "diloco"}
         sent = {p.name: s["bytes_sent"] for p, s in _summaries(work).items()}
         # every method sends the same bytes at one K; 8x fewer rounds at K=16 than at K=2
-        assert sent["averaging_bmuf-average_every_2"] == sent["averaging_model-average_every_2"] > 0
-        assert sent["averaging_model-average_every_16"] < sent["averaging_model-average_every_2"] / 4
+        assert sent["method_bmuf-average_every_2"] == sent["method_model-average_every_2"] > 0
+        assert sent["method_model-average_every_16"] < sent["method_model-average_every_2"] / 4
     if name in ("02-single-worker-baseline", "04-ngsgd-vs-sgd"):
         # an exported copy shows its plots offline: images, no script or stylesheet from a CDN
         from labavg.studies.teaching import offline_html_exporter

@@ -94,7 +94,7 @@ def test_a_sweep_validates_each_point_once_where_it_starts(corpus, tmp_path, val
     from test_sweep import write_sweep
 
     spec = tmp_path / "s.toml"
-    write_sweep(spec, corpus, "average_every = [2, 4]")
+    write_sweep(spec, corpus, '"averaging.average_every" = [2, 4]')
     sweep = load_sweep(spec)  # checks every point before any trains: not a start
     validations.clear()
     run_sweep(sweep, tmp_path / "out")

@@ -22,7 +22,8 @@ from labavg.averaging.methods import ALL, Averager, BMUFAverager
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.averaging.methods import BMUFConfig
+from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.settings import AveragingConfig
 from labavg.training.config import TrainConfig, validate
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
@@ -255,27 +256,36 @@ def test_streaming_syncs_each_fragment_once_in_p_rounds():
 # --- training ---------------------------------------------------------------------------------
 
 
-def _run(corpus, out, **changes):
-    cfg = small_config(corpus, out, **changes)
+def _config(corpus, out, averaging=None, **changes):
+    """small_config with `averaging`'s settings (dotted keys) on top of its own."""
+    return validate(with_overrides(small_config(corpus, out, **changes), averaging or {}))
+
+
+def _run(corpus, out, averaging=None, **changes):
+    cfg = _config(corpus, out, averaging, **changes)
     return cfg, run_training(cfg, progress=False)
 
 
 def test_overlap_none_trains_the_blocking_run_bit_for_bit(corpus, tmp_path):
     _, plain = _run(corpus, tmp_path / "plain", epochs=1)
-    _, none = _run(corpus, tmp_path / "none", epochs=1, overlap="none", streaming_fragments=2)
+    _, none = _run(corpus, tmp_path / "none", {"averaging.overlap": "none",
+                                               "averaging.streaming_fragments": 2}, epochs=1)
     assert torch.equal(final_params(tmp_path / "plain"), final_params(tmp_path / "none"))
     assert none["overlap"] == "none" and none["comm_hidden_fraction"] is None
     assert none["overlap_bytes_sent"] == 0 and none["bytes_sent"] == plain["bytes_sent"]
-    assert type(make_averager(TrainConfig().averaging_plan(), torch.zeros(4), None)) is Averager
+    cfg = TrainConfig()
+    assert type(make_averager(cfg.averaging, cfg.minibatch, torch.zeros(4), None)) is Averager
 
 
 def test_overlap_averager_describes_its_fragments():
     """RunStarted's overlap and fragment bytes come from describe()."""
-    cfg = TrainConfig(ranks=2, overlap="streaming", streaming_fragments=2, averaging="diloco")
+    cfg = TrainConfig(ranks=2, averaging=AveragingConfig(method="diloco", overlap="streaming",
+                                                         streaming_fragments=2))
 
     def work(comm):
         flat = torch.zeros(10)
-        return make_averager(cfg.averaging_plan(), flat, comm, sizes=[4, 6]).describe(flat)
+        averager = make_averager(cfg.averaging, cfg.minibatch, flat, comm, sizes=[4, 6])
+        return averager.describe(flat)
 
     info = run_inproc(2, work)[0]
     assert (info.averaging, info.payload, info.overlap) == ("diloco", "fp32", "streaming")
@@ -287,8 +297,8 @@ def test_overlap_averager_describes_its_fragments():
 def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, tmp_path,
                                                                         overlap, fragments):
     _, blocking = _run(corpus, tmp_path / "blocking")
-    cfg, summary = _run(corpus, tmp_path / overlap, overlap=overlap,
-                        streaming_fragments=fragments)
+    cfg, summary = _run(corpus, tmp_path / overlap, {"averaging.overlap": overlap,
+                                                     "averaging.streaming_fragments": fragments})
     # Measured here: 0.071 CV frame accuracy for none, eager and streaming (2 epochs of the
     # tiny corpus); a delayed round may cost a little, the test allows 3 points.
     assert abs(summary["cv_frame_accuracy"] - blocking["cv_frame_accuracy"]) <= 0.03
@@ -312,11 +322,11 @@ def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, 
 
 @pytest.mark.parametrize("overlap, method", [("eager", "model"), ("streaming", "bmuf")])
 def test_stopped_and_resumed_overlap_run_matches_uninterrupted(corpus, tmp_path, overlap, method):
-    changes = dict(overlap=overlap, averaging=method, streaming_fragments=3,
-                   bmuf=BMUFConfig(momentum=0.5))
-    full = small_config(corpus, tmp_path / "full", **changes)
+    changes = {"averaging.overlap": overlap, "averaging.method": method,
+               "averaging.streaming_fragments": 3, "averaging.bmuf.momentum": 0.5}
+    full = _config(corpus, tmp_path / "full", changes)
     summary = run_training(full, progress=False)
-    cfg = small_config(corpus, tmp_path / "run", **changes)
+    cfg = _config(corpus, tmp_path / "run", changes)
     flag = threading.Event()
 
     def on_event(event):
@@ -337,15 +347,21 @@ def test_stopped_and_resumed_overlap_run_matches_uninterrupted(corpus, tmp_path,
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"overlap": "eagr"}, "overlap must be one of none, eager, streaming; got 'eagr'"),
-    ({"overlap": "streaming", "streaming_fragments": 0}, "streaming_fragments must be positive"),
-    ({"overlap": "streaming", "streaming_fragments": 11, "model.hidden_layers": 4},
-     "streaming_fragments = 11 exceeds the 10 parameter tensors"),
-    ({"overlap": "eager", "hierarchy.every": 20, "hierarchy.node_size": 1},
-     "overlap = eager does not combine with hierarchy.every > 0 yet"),
-    ({"overlap": "streaming", "reduce": "ring"}, "overlap = streaming needs reduce = allreduce"),
-    ({"overlap": "eager", "payload": "int"},
-     "overlap = eager does not combine with payload = 'int' yet"),
+    ({"averaging.overlap": "eagr"},
+     "averaging.overlap must be one of none, eager, streaming; got 'eagr'"),
+    ({"averaging.overlap": "streaming", "averaging.streaming_fragments": 0},
+     "averaging.streaming_fragments must be positive"),
+    ({"averaging.overlap": "streaming", "averaging.streaming_fragments": 11,
+      "model.hidden_layers": 4},
+     "averaging.streaming_fragments = 11 exceeds the 10 parameter tensors"),
+    ({"averaging.overlap": "eager", "averaging.hierarchy.across_nodes_every": 20,
+      "averaging.hierarchy.node_size": 1},
+     "averaging.overlap = eager does not combine with "
+     "averaging.hierarchy.across_nodes_every > 0 yet"),
+    ({"averaging.overlap": "streaming", "averaging.reduce": "ring"},
+     "averaging.overlap = streaming needs reduce = allreduce"),
+    ({"averaging.overlap": "eager", "averaging.payload": "int"},
+     "averaging.overlap = eager does not combine with payload = 'int' yet"),
 ])
 def test_bad_overlap_settings_are_refused_in_one_line(overrides, named):
     with pytest.raises(UserError) as info:
@@ -355,19 +371,24 @@ def test_bad_overlap_settings_are_refused_in_one_line(overrides, named):
 
 def test_fragments_up_to_the_tensors_and_other_methods_are_accepted():
     for method in ("model", "bmuf", "diloco"):
-        validate(with_overrides(TrainConfig(), {"overlap": "streaming", "averaging": method,
-                                                "streaming_fragments": 10}))
+        validate(with_overrides(TrainConfig(), {"averaging.overlap": "streaming",
+                                                "averaging.method": method,
+                                                "averaging.streaming_fragments": 10}))
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--overlap", "eagr"], "overlap must be one of none, eager, streaming; got 'eagr'"),
-    (["--overlap", "streaming", "--hidden-layers", "1", "--set", "streaming_fragments=5"],
-     "streaming_fragments = 5 exceeds the 4 parameter tensors"),
-    (["--overlap", "eager", "--set", "hierarchy.every=20", "--set", "hierarchy.node_size=1"],
-     "overlap = eager does not combine with hierarchy.every > 0 yet"),
-    (["--overlap", "eager", "--reduce", "butterfly"], "overlap = eager needs reduce = allreduce"),
+    (["--overlap", "eagr"], "averaging.overlap must be one of none, eager, streaming; got 'eagr'"),
+    (["--overlap", "streaming", "--hidden-layers", "1", "--set",
+      "averaging.streaming_fragments=5"],
+     "averaging.streaming_fragments = 5 exceeds the 4 parameter tensors"),
+    (["--overlap", "eager", "--set", "averaging.hierarchy.across_nodes_every=20", "--set",
+      "averaging.hierarchy.node_size=1"],
+     "averaging.overlap = eager does not combine with "
+     "averaging.hierarchy.across_nodes_every > 0 yet"),
+    (["--overlap", "eager", "--reduce", "butterfly"],
+     "averaging.overlap = eager needs reduce = allreduce"),
     (["--overlap", "streaming", "--payload", "bf16"],
-     "overlap = streaming does not combine with payload = 'bf16' yet"),
+     "averaging.overlap = streaming does not combine with payload = 'bf16' yet"),
 ])
 def test_cli_bad_overlap_settings_exit_2_with_one_line(tmp_path, args, named):
     assert named in cli_refusal(tmp_path, args)

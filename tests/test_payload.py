@@ -28,6 +28,7 @@ from labavg.training.config import TrainConfig, estimate_memory, load_config, va
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload_bytes
+from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import read_summary
@@ -317,6 +318,12 @@ def test_script_rounds_on_torchrun_give_the_inproc_bits(size, tmp_path):
 
 # --- training -----------------------------------------------------------------------------------
 
+
+def _config(corpus, out, averaging, **changes) -> TrainConfig:
+    """small_config with `averaging`'s settings (dotted keys) on top of its own."""
+    return validate(with_overrides(small_config(corpus, out, **changes), averaging))
+
+
 # CV frame accuracy on the tiny corpus (120 pdfs; chance about 0.07) after 3 epochs on 3 ranks
 # may fall this far below fp32's 0.258. Measured here: every format within 0.0013 of it (int4
 # the farthest, 0.2592 against 0.2579), so 0.02 leaves room for other CPUs' rounding.
@@ -328,8 +335,9 @@ def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
     summaries, models = {}, {}
     for payload, bits in (("fp32", 8), *FORMATS):
         name = script.fmt(payload, bits)
-        cfg = small_config(corpus, tmp_path / name, ranks=3, epochs=3, lr=0.2,
-                           payload=payload, payload_bits=bits)
+        cfg = _config(corpus, tmp_path / name, {"averaging.payload": payload,
+                                                "averaging.payload_bits": bits},
+                      ranks=3, epochs=3, lr=0.2)
         summaries[name] = run_training(cfg, progress=False)
         models[name] = [final_params(tmp_path / name, r) for r in range(3)]
         assert all(torch.equal(p, models[name][0]) for p in models[name]), name
@@ -352,10 +360,11 @@ def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
 
 
 def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
-    changes = {"averaging": "bmuf", "payload": "int", "payload_bits": 4}
-    full = small_config(corpus, tmp_path / "full", **changes)
+    changes = {"averaging.method": "bmuf", "averaging.payload": "int",
+               "averaging.payload_bits": 4}
+    full = _config(corpus, tmp_path / "full", changes)
     summary = run_training(full, progress=False)
-    cfg = small_config(corpus, tmp_path / "run", **changes)
+    cfg = _config(corpus, tmp_path / "run", changes)
     stopped, resumed = stopped_then_resumed(cfg)
     assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
     for rank in range(2):
@@ -385,27 +394,30 @@ def test_mpi_training_with_the_payload_flags(corpus, tmp_path):
 
 
 def test_payload_settings_defaults_toml_and_make_averager(tmp_path):
-    cfg = TrainConfig()
-    assert (cfg.payload, cfg.payload_bits, cfg.error_feedback) == ("fp32", 8, True)
+    plan = TrainConfig().averaging
+    assert (plan.payload, plan.payload_bits, plan.error_feedback) == ("fp32", 8, True)
     path = tmp_path / "c.toml"
-    path.write_text('payload = "int"\npayload_bits = 4\nerror_feedback = false\n')
+    path.write_text('[averaging]\npayload = "int"\npayload_bits = 4\nerror_feedback = false\n')
     cfg = validate(load_config(path))
-    assert (cfg.payload, cfg.payload_bits, cfg.error_feedback) == ("int", 4, False)
+    plan = cfg.averaging
+    assert (plan.payload, plan.payload_bits, plan.error_feedback) == ("int", 4, False)
     comm = InProcCommunicator(InProcGroup(2), 0)
-    averager = make_averager(cfg.averaging_plan(), torch.zeros(3000), comm)
+    averager = make_averager(plan, cfg.minibatch, torch.zeros(3000), comm)
     assert (averager.payload, averager.bits, averager.residual) == ("int", 4, None)
     assert averager.bytes_per_round(torch.zeros(3000)) == 1500 + 4 * 3
     assert averager.global_model is not None
-    more = estimate_memory(with_overrides(TrainConfig(), {"payload": "bf16"}), 440, 3000)
+    more = estimate_memory(with_overrides(TrainConfig(), {"averaging.payload": "bf16"}), 440, 3000)
     assert more > estimate_memory(TrainConfig(), 440, 3000)
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"payload": "int", "payload_bits": 5},
-     "payload_bits must be 4, 8 or 16 (the quantisation bits of payload = int); got 5"),
-    ({"payload": "int8"}, "payload must be one of fp32, bf16, fp16, int; got 'int8'"),
-    ({"payload": "bf16", "reduce": "ring"}, "payload = 'bf16' gathers the ranks' compressed "
-     "changes and cannot use reduce = 'ring'"),
+    ({"averaging.payload": "int", "averaging.payload_bits": 5},
+     "averaging.payload_bits must be 4, 8 or 16 (the quantisation bits of payload = int); got 5"),
+    ({"averaging.payload": "int8"},
+     "averaging.payload must be one of fp32, bf16, fp16, int; got 'int8'"),
+    ({"averaging.payload": "bf16", "averaging.reduce": "ring"},
+     "averaging.payload = 'bf16' gathers the ranks' compressed changes and cannot use "
+     "averaging.reduce = 'ring'"),
 ])
 def test_bad_payload_settings_name_key_and_value(overrides, named):
     with pytest.raises(UserError) as info:
@@ -415,10 +427,10 @@ def test_bad_payload_settings_name_key_and_value(overrides, named):
 
 @pytest.mark.parametrize("args, named", [
     (["--payload", "int", "--payload-bits", "5"],
-     "payload_bits must be 4, 8 or 16 (the quantisation bits of payload = int); got 5"),
-    (["--set", "payload_bits=3"], "payload_bits must be 4, 8 or 16"),
-    (["--payload", "zip"], "payload must be one of fp32, bf16, fp16, int; got 'zip'"),
-    (["--payload", "int", "--reduce", "butterfly"], "cannot use reduce = 'butterfly'"),
+     "averaging.payload_bits must be 4, 8 or 16 (the quantisation bits of payload = int); got 5"),
+    (["--set", "averaging.payload_bits=3"], "averaging.payload_bits must be 4, 8 or 16"),
+    (["--payload", "zip"], "averaging.payload must be one of fp32, bf16, fp16, int; got 'zip'"),
+    (["--payload", "int", "--reduce", "butterfly"], "cannot use averaging.reduce = 'butterfly'"),
 ])
 def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
     assert named in cli_refusal(tmp_path, args)
@@ -432,7 +444,7 @@ def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
     from labavg.jobs.run_json import RunSummary
     from labavg.training.config import TrainConfig
 
-    config = TrainConfig(ranks=4, averaging="model", payload="int", payload_bits=4)
+    config = TrainConfig(ranks=4, averaging=AveragingConfig(payload="int", payload_bits=4))
     assert run_row("r", config, None)["payload"] == "int4"  # from the config while it trains
     assert run_row("r", TrainConfig(ranks=4), RunSummary(payload="bf16"))["payload"] == "bf16"
     assert run_row("old", None, RunSummary(ranks=4))["payload"] == "fp32"  # before payloads

@@ -223,8 +223,10 @@ def test_non_finite_ranks_are_left_out_by_every_algorithm():
             assert flat.tolist() == [2.0, 2.0, 2.0, 2.0, 2.0], algorithm
 
 
-def _train(corpus, out, **changes):
-    cfg = small_config(corpus, out, ranks=3, epochs=1, **changes)
+def _train(corpus, out, reduce=None):
+    cfg = small_config(corpus, out, ranks=3, epochs=1)
+    if reduce is not None:
+        cfg = validate(with_overrides(cfg, {"averaging.reduce": reduce}))
     summary = run_training(cfg, progress=False)
     return summary, [final_params(out, rank) for rank in range(3)]
 
@@ -268,9 +270,12 @@ def test_mpi_training_with_the_reduce_flag(corpus, tmp_path):
 def test_make_averager_takes_the_setting():
     comm = InProcCommunicator(InProcGroup(1), 0)
     for method in ("model", "bmuf", "diloco"):
-        cfg = with_overrides(TrainConfig(), {"averaging": method, "reduce": "butterfly"})
-        assert make_averager(cfg.averaging_plan(), torch.zeros(2), comm).reduce == "butterfly"
-    assert make_averager(TrainConfig().averaging_plan(), torch.zeros(2), comm).reduce == "allreduce"
+        cfg = with_overrides(TrainConfig(), {"averaging.method": method,
+                                             "averaging.reduce": "butterfly"})
+        averager = make_averager(cfg.averaging, cfg.minibatch, torch.zeros(2), comm)
+        assert averager.reduce == "butterfly"
+    cfg = TrainConfig()
+    assert make_averager(cfg.averaging, cfg.minibatch, torch.zeros(2), comm).reduce == "allreduce"
 
 
 # --- settings -----------------------------------------------------------------------------------
@@ -278,12 +283,13 @@ def test_make_averager_takes_the_setting():
 
 def test_reduce_setting_in_toml_and_default(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('reduce = "butterfly"\n')
-    assert load_config(path).reduce == "butterfly"
-    assert TrainConfig().reduce == "allreduce"  # MPI_Allreduce, as the paper averages
+    path.write_text('[averaging]\nreduce = "butterfly"\n')
+    assert load_config(path).averaging.reduce == "butterfly"
+    assert TrainConfig().averaging.reduce == "allreduce"  # MPI_Allreduce, as the paper averages
     with pytest.raises(UserError) as info:
-        validate(with_overrides(TrainConfig(), {"reduce": "rign"}))
-    assert str(info.value).endswith("reduce must be one of allreduce, butterfly, ring; got 'rign'")
+        validate(with_overrides(TrainConfig(), {"averaging.reduce": "rign"}))
+    assert str(info.value).endswith(
+        "averaging.reduce must be one of allreduce, butterfly, ring; got 'rign'")
 
 
 @pytest.mark.parametrize("how", ["flag", "toml"])
@@ -291,7 +297,7 @@ def test_cli_unknown_reduce_exits_2_with_one_line(tmp_path, how):
     if how == "flag":
         args = ["--data", str(tmp_path / "nodata"), "--reduce", "rign"]
     else:
-        (tmp_path / "c.toml").write_text('reduce = "rign"\n')
+        (tmp_path / "c.toml").write_text('[averaging]\nreduce = "rign"\n')
         args = [str(tmp_path / "c.toml"), "--data", str(tmp_path / "nodata")]
     proc = subprocess.run([PYTHON, "-m", "labavg", "train", *args, "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120, env=_env(),
@@ -299,7 +305,7 @@ def test_cli_unknown_reduce_exits_2_with_one_line(tmp_path, how):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("labavg: error: "), lines
-    assert "reduce must be one of allreduce, butterfly, ring; got 'rign'" in lines[0]
+    assert "averaging.reduce must be one of allreduce, butterfly, ring; got 'rign'" in lines[0]
     assert not (tmp_path / "run").exists()
 
 
@@ -307,8 +313,8 @@ def test_sweep_grid_of_algorithms(tmp_path):
     from labavg.studies.sweep import load_sweep
 
     spec = tmp_path / "s.toml"
-    spec.write_text('[base]\nranks = 2\n[grid]\nreduce = ["allreduce", "ring"]\n')
+    spec.write_text('[base]\nranks = 2\n[grid]\n"averaging.reduce" = ["allreduce", "ring"]\n')
     assert [n for n, _ in load_sweep(spec).points()] == ["reduce_allreduce", "reduce_ring"]
-    spec.write_text('[base]\nranks = 2\n[grid]\nreduce = ["ring", "rign"]\n')
-    with pytest.raises(UserError, match="grid point reduce_rign: reduce must be one of"):
+    spec.write_text('[base]\nranks = 2\n[grid]\n"averaging.reduce" = ["ring", "rign"]\n')
+    with pytest.raises(UserError, match="grid point reduce_rign: averaging.reduce must be one of"):
         load_sweep(spec)

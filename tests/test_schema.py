@@ -98,6 +98,7 @@ def test_presets_are_overrides_of_the_defaults():
             for part in key.split("."):
                 node = getattr(node, part)
             assert node == value, (name, key)
-        assert "ranks" not in overrides and "average_every" not in overrides  # they pair for speedups
+        # they pair for speedups
+        assert "ranks" not in overrides and "averaging.average_every" not in overrides
     with pytest.raises(UserError, match="unknown preset 'x'; known presets: teaching"):
         preset_config("x")

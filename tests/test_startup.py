@@ -50,10 +50,14 @@ def test_help_imports_no_torch(args):
     assert out.startswith("usage: labavg") and not torch_loaded
     if args[0] == "train":  # the methods' help lines come from their declarations
         assert "model (plain average, the paper)" in " ".join(out.split())
+        # The [averaging] section's flags, declared with its settings.
+        for flag in ("--averaging", "--average-every", "--average-every-frames", "--reduce",
+                     "--payload", "--payload-bits", "--overlap"):
+            assert f"  {flag} " in out, flag
 
 
 def test_info_of_runs_imports_no_torch(tmp_path):
-    from labavg.base.settings import to_dict
+    from labavg.base.settings import to_dict, with_overrides
     from labavg.training.config import TrainConfig
 
     run, running = tmp_path / "runs" / "k10", tmp_path / "runs" / "k20"
@@ -61,7 +65,8 @@ def test_info_of_runs_imports_no_torch(tmp_path):
     summary = {"ranks": 2, "backend": "inproc", "averaging": "bmuf", "average_every": 10}
     (run / "summary.json").write_text(json.dumps(summary))
     running.mkdir()  # started, not ended: only its settings are on disk
-    config = to_dict(TrainConfig(out=str(running), ranks=4, average_every=20))
+    config = to_dict(with_overrides(TrainConfig(), {"out": str(running), "ranks": 4,
+                                                    "averaging.average_every": 20}))
     (running / "config.json").write_text(json.dumps(config))
     code, out, err, torch_loaded = _labavg("info", str(tmp_path / "runs"))
     assert code == 0, err
@@ -73,9 +78,10 @@ def test_info_of_runs_imports_no_torch(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--set", "lr=-1"), "labavg: error: lr must be positive and finite; got -1.0"),
     (("--set", "no_such_key=1"), "labavg: error: unknown setting 'no_such_key'"),
-    (("--averaging", "half"), "labavg: error: averaging must be one of model, bmuf, diloco; "
-                              "got 'half'"),
-    (("--set", "bmuf.momentum=1"), "labavg: error: bmuf.momentum must be in [0, 1); got 1.0"),
+    (("--averaging", "half"), "labavg: error: averaging.method must be one of model, bmuf, "
+                              "diloco; got 'half'"),
+    (("--set", "averaging.bmuf.momentum=1"),
+     "labavg: error: averaging.bmuf.momentum must be in [0, 1); got 1.0"),
     (("missing.toml",), "labavg: error: cannot read config file missing.toml: "
                         "No such file or directory"),
 ])

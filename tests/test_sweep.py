@@ -57,17 +57,18 @@ def test_sweep_runs_grid_writes_table_and_skips_finished(corpus, tmp_path):
 
 def test_sweep_rejects_bad_grid(corpus, tmp_path):
     spec = tmp_path / "bad.toml"
-    write_sweep(spec, corpus, "average_every = [10, 0]")
+    write_sweep(spec, corpus, '"averaging.average_every" = [10, 0]')
     with pytest.raises(UserError, match="average_every_0"):
         load_sweep(spec)
     proc = _cli("sweep", str(spec), "--out", str(tmp_path / "o"))
-    assert proc.returncode == 2 and "average_every must be positive" in proc.stderr
+    assert proc.returncode == 2 and "averaging.average_every must be positive" in proc.stderr
 
 
 @pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_sweep_cli_with_mpi_points(corpus, tmp_path):
     spec = tmp_path / "s.toml"
-    write_sweep(spec, corpus, 'backend = ["mpi"]\nranks = [2]\naverage_every = [2, 8]')
+    write_sweep(spec, corpus,
+                'backend = ["mpi"]\nranks = [2]\n"averaging.average_every" = [2, 8]')
     proc = _cli("sweep", str(spec), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     table = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))

@@ -111,7 +111,7 @@ def test_base_config_makes_the_corpus_once(tmp_path):
 @pytest.fixture
 def rerun_base(corpus, tmp_path):
     return with_overrides(teaching.SIZES["small"].base, {
-        "data.data": str(corpus), "ranks": 2, "backend": "inproc", "average_every": 2,
+        "data.data": str(corpus), "ranks": 2, "backend": "inproc", "averaging.average_every": 2,
         "tensorboard": False, "out": str(tmp_path / "base")})
 
 
@@ -143,9 +143,9 @@ def test_the_rerun_control_trains_and_shows_each_run(rerun_base, tmp_path):
     assert [label for label, _ in control.runs] == ["K=2, lr 0.008", "K=8, lr 0.004"]
     (made_second,) = (tmp_path / "runs").glob("rerun-k8-lr0.004-*")
     written = json.loads((made_second / "summary.json").read_text())
-    assert written["config"]["average_every"] == 8 and written["config"]["lr"] == 0.004
+    assert written["config"]["averaging"]["average_every"] == 8 and written["config"]["lr"] == 0.004
     assert second["cv_frame_accuracy"] == written["cv_frame_accuracy"]
-    assert first["config"]["average_every"] == 2
+    assert first["config"]["averaging"]["average_every"] == 2
     table = " ".join(control.table.object.split())  # without the padding that aligns columns
     assert "| K=2, lr 0.008 |" in table and "| K=8, lr 0.004 |" in table
     curves = control.plot.object.values()

@@ -15,6 +15,7 @@ import torch
 from labavg.base import checkpoint
 from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.mean import average_parameters, flatten_parameters
+from labavg.averaging.settings import AveragingConfig
 from labavg.comm.inproc import run_inproc
 from labavg.data.settings import DataConfig
 from labavg.training.config import TrainConfig, validate
@@ -32,8 +33,8 @@ PYTHON = sys.executable
 
 def small_config(corpus: Path, out: Path, **changes) -> TrainConfig:
     cfg = TrainConfig(
-        out=str(out), ranks=2, average_every=3, minibatch=64, epochs=2, lr=0.004,
-        checkpoint_every=2, tensorboard=False,
+        out=str(out), ranks=2, averaging=AveragingConfig(average_every=3), minibatch=64,
+        epochs=2, lr=0.004, checkpoint_every=2, tensorboard=False,
         model=ModelConfig(hidden_layers=2, hidden_dim=48),
         data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
     )
@@ -225,11 +226,16 @@ def test_config_file_and_flags(tmp_path):
 
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('ranks = 4\noptimizer = "ngsgd"\n[model]\nhidden_dim = 256\n'
-                        '[ngsgd]\nrank_in = 10\n')
-    args = build_parser().parse_args(["train", str(cfg_file), "--ranks", "8", "--set", "lr=0.01"])
+                        '[ngsgd]\nrank_in = 10\n[averaging]\nmethod = "bmuf"\n'
+                        'average_every = 5\n[averaging.bmuf]\nmomentum = 0.5\n')
+    args = build_parser().parse_args(["train", str(cfg_file), "--ranks", "8", "--set", "lr=0.01",
+                                      "--average-every", "7"])
     cfg = train_config(args)
     assert (cfg.ranks, cfg.optimizer, cfg.model.hidden_dim, cfg.ngsgd.rank_in, cfg.lr) == (
         8, "ngsgd", 256, 10, 0.01)
+    # The [averaging] section's flags override its table, as the top level's do.
+    assert (cfg.averaging.method, cfg.averaging.average_every, cfg.averaging.table().momentum) \
+        == ("bmuf", 7, 0.5)
 
 
 def test_train_on_real_kaldi_yesno_recipe(shared_data, tmp_path):
@@ -296,7 +302,7 @@ def test_a_minimal_averager_drives_train_rank(corpus, tmp_path):
     source = open_dataset(cfg.data.data)
     averagers = {}
 
-    def new_averager(cfg, flat, comm, sizes):
+    def new_averager(plan, minibatch, flat, comm, sizes):
         averagers[comm.rank] = _MeanEveryOtherStep(comm)
         return averagers[comm.rank]
 

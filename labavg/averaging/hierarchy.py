@@ -1,6 +1,7 @@
-"""Hierarchical averaging (`[hierarchy]`, `HierarchicalAverager`) puts a plain average of the
-ranks of each node every K minibatches inside the method's blocks, which then last K2 =
-`hierarchy.every` minibatches: the outer step sees one block of K2 per round across nodes.
+"""Hierarchical averaging (`[averaging.hierarchy]`, `HierarchicalAverager`) puts a plain
+average of the ranks of each node every K minibatches inside the method's blocks, which then
+last K2 = `averaging.hierarchy.across_nodes_every` minibatches: the outer step sees one block of
+K2 per round across nodes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from labavg.comm.base import Communicator
 
 
 class HierarchicalAverager:
-    """Averaging within nodes every K minibatches, across all ranks every K2 (`[hierarchy]`).
+    """Averaging within nodes every K minibatches, across all ranks every K2
+    (`[averaging.hierarchy]`).
 
     A node round (`due` gives NODE) is a plain mean over `node`, the ranks of this rank's node:
     one allreduce there, no outer step, the stop request kept for the next round across
@@ -111,6 +113,6 @@ def node_communicator(comm: Communicator, node_size: int) -> Communicator:
     the ranks the backend finds on this rank's host (collective)."""
     color = comm.rank // node_size if node_size > 0 else comm.node_color()
     if color is None:
-        raise UserError("hierarchy.node_size = 0: this backend cannot tell which ranks share "
-                        "a node; set hierarchy.node_size")
+        raise UserError("averaging.hierarchy.node_size = 0: this backend cannot tell which ranks "
+                        "share a node; set averaging.hierarchy.node_size")
     return comm.split(color, comm.rank)

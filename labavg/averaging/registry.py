@@ -1,9 +1,10 @@
 """The averaging methods a run can choose, declared apart from the classes that run them.
 
 A method's declaration (`Method`) is what the rest of the house shows of it: its `method`
-name (the `averaging` setting), its `settings` section (a dataclass read from the `[<method>]`
-table, or None), its `help` line, its `label` and `short` names for the report's tables, and
-the `outer_bytes_per_parameter` of state it keeps besides the model (the memory model). The
+name (the `averaging.method` setting), its `settings` section (a dataclass read from the
+`[averaging.<method>]` table, or None), its `help` line, its `label` and `short` names for
+the report's tables, and the `outer_bytes_per_parameter` of state it keeps besides the model
+(the memory model). The
 settings schema, the CLI's flags and help, the dashboard's form, `labavg info` and the Beyond
 tables read only declarations; the class, an `Averager` subclass that imports torch, is looked
 up when an averager is made (`labavg.averaging.factory`). So the command line can list, check
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from labavg.averaging.settings import BMUFConfig, DiLoCoConfig
+from labavg.averaging.method_settings import BMUFConfig, DiLoCoConfig
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ _HERE = "labavg.averaging.methods"
 METHODS: dict[str, Method] = {m.method: m for m in (
     Method("model", "plain average, the paper", f"{_HERE}:Averager",
            label="model (the paper's)", short="model"),
-    Method("bmuf", "block momentum, [bmuf] table", f"{_HERE}:BMUFAverager", BMUFConfig,
+    Method("bmuf", "block momentum, [averaging.bmuf] table", f"{_HERE}:BMUFAverager", BMUFConfig,
            "BMUF", "BMUF", outer_bytes_per_parameter=2 * 4),  # the filtered update, the block's
-    Method("diloco", "outer Nesterov SGD, [diloco] table", f"{_HERE}:DiLoCoAverager",
+    Method("diloco", "outer Nesterov SGD, [averaging.diloco] table", f"{_HERE}:DiLoCoAverager",
            DiLoCoConfig, "DiLoCo", "DiLoCo",
            outer_bytes_per_parameter=2 * 4),  # the momentum and the outer gradient
 )}

@@ -1,15 +1,20 @@
-"""The averaging layer's settings: what a round sends (labavg.averaging.payload), whether it
-overlaps compute (labavg.averaging.overlap), the [hierarchy] section
-(labavg.averaging.hierarchy), the built-in methods' sections ([bmuf], [diloco];
-labavg.averaging.methods) and the plan the factory builds a run's averager from. Imports no
-torch: the registry (labavg.averaging.registry) declares the methods with these sections."""
+"""The [averaging] section: how a run's workers average, and the plan
+labavg.averaging.factory.make_averager builds the run's averager from. It holds the method and
+its own table ([averaging.bmuf], [averaging.diloco]: labavg.averaging.method_settings), K,
+what a round sends (labavg.averaging.payload), how the mean is computed (labavg.comm.reduce),
+whether it overlaps compute (labavg.averaging.overlap) and [averaging.hierarchy]
+(labavg.averaging.hierarchy). Imports no torch: the registry (labavg.averaging.registry)
+declares the methods apart from their classes."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from labavg.base.settings import FINITE_POSITIVE, integer, real, setting
+from labavg.averaging.registry import method_names, method_sections
+from labavg.base.settings import POSITIVE, Rule, integer, named_sections, one_of, setting
+from labavg.comm.settings import REDUCE
 
 # What a round sends (labavg.averaging.payload, docs/averaging.md): the fp32 parameters (the paper), or
 # their change since the last round in 16 bits or as integer codes of PAYLOAD_BITS bits.
@@ -19,46 +24,30 @@ PAYLOAD_BITS = (4, 8, 16)
 OVERLAP = ("none", "eager", "streaming")
 
 
-@dataclass(frozen=True)
-class BMUFConfig:
-    """Blockwise model-update filtering (Chen & Huo 2016; labavg.averaging.methods.BMUFAverager,
-    docs/averaging.md): the [bmuf] table.
-
-    Each round's change of the averaged model is filtered with block momentum before it is
-    applied; a steady change is amplified by block_lr / (1 - momentum) in the long run, which
-    is N, the factor plain averaging divides the workers' summed progress by, when momentum is
-    1 - 1/N. The default 0.9 is that for N = 10, between the 2 and 32 workers a lab runs. The
-    gain does what Su & Chen's N x learning rate does (lr_scaling = "linear"): with both, the
-    factors multiply (docs/averaging.md).
-    """
-
-    momentum: float = setting(0.9, "block momentum (0: plain averaging; 1 - 1/ranks gives a "
-                              "long-run gain of ranks)", real(0, 1, high_open=True))
-    block_lr: float = setting(1.0, "block learning rate: the share of each round's change "
-                              "applied", FINITE_POSITIVE)
-    nesterov: bool = setting(True, "Nesterov block momentum: workers start each block from the "
-                             "global model plus momentum x the filtered update")
-
-
-@dataclass(frozen=True)
-class DiLoCoConfig:
-    """DiLoCo's outer optimizer (Douillard et al. 2023, the paper's values): SGD with Nesterov
-    momentum on the outer gradient, the global model minus the average: the [diloco] table
-    (labavg.averaging.methods.DiLoCoAverager)."""
-
-    outer_lr: float = setting(0.7, "outer learning rate (1 with momentum 0: plain averaging)",
-                              FINITE_POSITIVE)
-    momentum: float = setting(0.9, "outer momentum", real(0, 1, high_open=True))
-    nesterov: bool = setting(True, "Nesterov outer momentum (torch.optim.SGD's form)")
+# Keys of an earlier labavg's top level (its [bmuf], [diloco] and [hierarchy] tables too) and
+# where they went: TrainConfig refuses a file that still has one with this line
+# (labavg.base.settings.from_dict).
+MOVED_TO_AVERAGING = {
+    "averaging": "averaging.method", "average_every": "averaging.average_every",
+    "average_every_frames": "averaging.average_every_frames", "reduce": "averaging.reduce",
+    "payload": "averaging.payload", "payload_bits": "averaging.payload_bits",
+    "error_feedback": "averaging.error_feedback", "overlap": "averaging.overlap",
+    "streaming_fragments": "averaging.streaming_fragments", "hierarchy": "averaging.hierarchy",
+    "bmuf": "averaging.bmuf", "diloco": "averaging.diloco"}
 
 
 @dataclass(frozen=True)
 class HierarchyConfig:
-    """Hierarchical averaging (labavg.averaging.hierarchy.HierarchicalAverager, docs/averaging.md): the
-    ranks of a node average every K minibatches (`average_every`), all ranks every `every`."""
+    """Hierarchical averaging (labavg.averaging.hierarchy.HierarchicalAverager, docs/averaging.md),
+    the [averaging.hierarchy] table: the ranks of a node average every K minibatches
+    (`averaging.average_every`), all ranks every `across_nodes_every`."""
 
-    every: int = setting(0, "minibatches between averaging rounds across nodes, a multiple of "
-                         "average_every (0: no hierarchy, every round across all ranks)", integer(0))
+    # A key of an earlier labavg, and where it went.
+    MOVED: ClassVar[dict[str, str]] = {"every": "across_nodes_every"}
+
+    across_nodes_every: int = setting(
+        0, "minibatches between averaging rounds across nodes, a multiple of K (0: no "
+        "hierarchy, every round across all ranks)", integer(0))
     node_size: int = setting(0, "ranks per node (0: the ranks sharing a host's memory; inproc "
                              "needs a number)", integer(0))
 
@@ -66,30 +55,101 @@ class HierarchyConfig:
         """What is wrong with these settings for a run averaging every `k` minibatches
         (`k_name` says where K comes from) on `backend` with `size` ranks (None: not known
         yet), or None."""
-        if self.every % k:
-            return f"hierarchy.every = {self.every} is not a multiple of {k_name}"
+        if self.across_nodes_every % k:
+            return (f"averaging.hierarchy.across_nodes_every = {self.across_nodes_every} is not a "
+                    f"multiple of {k_name}")
         if self.node_size == 0 and backend == "inproc":
-            return ("hierarchy.node_size = 0 (the hosts' shared-memory groups) cannot be told on "
-                    "backend 'inproc', whose ranks are threads of one process: set "
-                    "hierarchy.node_size")
+            return ("averaging.hierarchy.node_size = 0 (the hosts' shared-memory groups) cannot be "
+                    "told on backend 'inproc', whose ranks are threads of one process: set "
+                    "averaging.hierarchy.node_size")
         if size is not None and self.node_size > 0 and size % self.node_size:
-            return f"hierarchy.node_size = {self.node_size} does not divide the {size} ranks"
+            return (f"averaging.hierarchy.node_size = {self.node_size} does not divide the {size} "
+                    f"ranks")
         return None
 
 
 @dataclass(frozen=True)
-class AveragingPlan:
-    """What `labavg.averaging.factory.make_averager` builds a run's averager from: the plain
-    values of the run's settings, and the chosen method's own section (None for a method
-    without one)."""
+class AveragingConfig:
+    """The [averaging] table: what `make_averager` builds a run's averager from."""
 
-    method: str
-    every: int  # K
-    reduce: str = "allreduce"
-    payload: str = "fp32"
-    bits: int = 8
-    error_feedback: bool = True
-    method_settings: Any = None
-    hierarchy: HierarchyConfig = HierarchyConfig()
-    overlap: str = "none"
-    fragments: int = 1  # overlap = streaming: fragments of the model, one synced per round
+    method: str = setting("model", "how a round combines the models (model: plain average, the "
+                          "paper; a method's settings in its own table, e.g. [averaging.bmuf])",
+                          one_of(method_names), flag="--averaging")
+    # the paper: 10 minibatches of 1024 frames
+    average_every: int = setting(10, "minibatches between averaging rounds (K)", POSITIVE,
+                                 flag="--average-every")
+    average_every_frames: int | None = setting(
+        None, "frames between averaging rounds (K = round(frames / minibatch))", POSITIVE,
+        flag="--average-every-frames")
+    reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
+                          "collective; butterfly: recursive halving and doubling; ring)",
+                          one_of(REDUCE), flag="--reduce")
+    payload: str = setting("fp32", "what a round sends (fp32: the parameters; bf16, fp16, int: "
+                           "their change since the last round, compressed)", one_of(PAYLOADS),
+                           flag="--payload")
+    payload_bits: int = setting(8, "bits per value of payload = int (4, 8 or 16)",
+                                Rule(lambda v: v in PAYLOAD_BITS, "4, 8 or 16 (the quantisation "
+                                      "bits of payload = int)"),
+                                flag="--payload-bits")
+    error_feedback: bool = setting(True, "a lossy payload adds each rank's compression error to "
+                                   "its next round's change (1-bit SGD, EF-SGD)")
+    overlap: str = setting("none", "hide the round's mean behind the next K minibatches (eager: "
+                           "one round late, the whole model; streaming: one fragment per round)",
+                           one_of(OVERLAP), flag="--overlap")
+    streaming_fragments: int = setting(4, "overlap = streaming: contiguous fragments of the "
+                                       "model (whole parameter tensors), one synced per round",
+                                       POSITIVE)
+    # One table per registered method with settings ([averaging.bmuf], [averaging.diloco]).
+    method_settings: dict[str, Any] = setting(help="each averaging method's own table",
+                                              factory=dict, sections=method_sections)
+    hierarchy: HierarchyConfig = setting(help="averaging within nodes, then across them",
+                                         factory=HierarchyConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method_settings",
+                           named_sections(AveragingConfig, self.method_settings, "method_settings"))
+
+    def table(self, method: str | None = None) -> Any:
+        """The own table of `method` (the chosen one unless given), None for a method without
+        one."""
+        return self.method_settings.get(self.method if method is None else method)
+
+    def with_table(self, section: Any) -> AveragingConfig:
+        """A copy with `section` as its method's table (the method whose dataclass it is)."""
+        name = next(n for n, cls in method_sections().items() if isinstance(section, cls))
+        return dataclasses.replace(self, method_settings={**self.method_settings, name: section})
+
+    def interval(self, minibatch: int) -> int:
+        """K, the minibatches between averaging rounds, for minibatches of `minibatch` frames."""
+        if self.average_every_frames is not None:
+            return max(1, round(self.average_every_frames / minibatch))
+        return self.average_every
+
+    def k_name(self, minibatch: int) -> str:
+        """Where K comes from, for a message."""
+        if self.average_every_frames is not None:
+            return (f"K = {self.interval(minibatch)} (averaging.average_every_frames = "
+                    f"{self.average_every_frames})")
+        return f"averaging.average_every = {self.average_every}"
+
+    def problem(self, prefix: str = "") -> str | None:
+        """What the section's settings do not combine with; the message, or None."""
+        if self.payload != "fp32" and self.reduce != "allreduce":
+            # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
+            return (f"averaging.payload = {self.payload!r} gathers the ranks' compressed changes "
+                    f"and cannot use averaging.reduce = {self.reduce!r} (set reduce = "
+                    f"\"allreduce\" or payload = \"fp32\")")
+        if self.overlap == "none":
+            return None
+        mode = self.overlap
+        if self.hierarchy.across_nodes_every > 0:
+            return (f"averaging.overlap = {mode} does not combine with "
+                    f"averaging.hierarchy.across_nodes_every > 0 yet")
+        if self.reduce != "allreduce":
+            return (f"averaging.overlap = {mode} needs reduce = allreduce (the backend's "
+                    f"non-blocking collective); reduce = {self.reduce} is a blocking exchange")
+        if self.payload != "fp32":
+            # The compressed payloads are gathered by a blocking allgather (labavg.averaging.payload).
+            return (f"averaging.overlap = {mode} does not combine with payload = "
+                    f"{self.payload!r} yet (set payload = \"fp32\" or overlap = \"none\")")
+        return None

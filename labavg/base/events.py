@@ -83,7 +83,7 @@ class Averaged(Event):
     comm_seconds: float
     frames_per_second: float  # this rank's training frames / compute seconds in the round
     bytes_sent: int = 0  # the parameter buffer (or compressed change) this rank sent this round
-    scope: str = "all"  # "node": among this rank's node only ([hierarchy]); "all": every rank
+    scope: str = "all"  # "node": among this rank's node only ([averaging.hierarchy]); "all": every rank
     # (blocking); "overlap": every rank, the mean running while the next K minibatches compute
     wait_seconds: float = 0.0  # overlap: inside the wait for the mean started one round earlier
     in_flight_seconds: float = 0.0  # overlap: that mean's start to the end of its wait
@@ -156,7 +156,7 @@ class RunFinished(Event):
     cv_frame_accuracy: float
     stopped: bool = False  # True when stopped on request before the planned end
     bytes_sent: int = 0  # this rank's parameter bytes over all averaging rounds
-    node_rounds: int = 0  # of averaging_rounds, those within the node only ([hierarchy])
+    node_rounds: int = 0  # of averaging_rounds, those within the node only ([averaging.hierarchy])
     node_bytes_sent: int = 0  # of bytes_sent, those of the node rounds
     overlap_seconds: float = 0.0  # of comm_seconds, those spent on non-blocking means
     overlap_bytes_sent: int = 0  # of bytes_sent, those sent by non-blocking means

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tomllib
 import types
 import typing
@@ -252,6 +251,7 @@ def from_dict(cls: type, values: Any, source: str, prefix: str = "") -> Any:
         raise UserError(f"{where}: expected a table of settings, got {values!r}"[:300])
     hints, tables = _hints(cls), _tables(cls)
     plain = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("sections")}
+    _refuse_moved(cls, values, source, prefix)
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key in tables:
@@ -269,6 +269,28 @@ def from_dict(cls: type, values: Any, source: str, prefix: str = "") -> Any:
         if problem is not None:
             raise UserError(f"{source}: {problem}") from None
         raise UserError(f"{source}: {prefix[:-1] or 'settings'}: {exc}") from None
+
+
+def _moved(cls: type, key: str, value: Any) -> str | None:
+    """Where key `key` of `cls` (a class declaring `MOVED`, a ClassVar of old key -> new
+    dotted key) went, or None: a key that is still a section's name moved only when its
+    value is not a table (an earlier labavg's `averaging = "bmuf"`)."""
+    new = getattr(cls, "MOVED", {}).get(key)
+    current = key in {f.name for f in dataclasses.fields(cls)}
+    if new is None or (current and isinstance(_hints(cls)[key], type)
+                       and dataclasses.is_dataclass(_hints(cls)[key])
+                       and isinstance(value, Mapping)):
+        return None
+    return new
+
+
+def _refuse_moved(cls: type, values: Mapping[str, Any], source: str, prefix: str) -> None:
+    """UserError in one line naming every key of `values` that has moved, and where to."""
+    moved = [(key, new) for key, value in values.items()
+             if (new := _moved(cls, key, value)) is not None]
+    if moved:
+        where = ", ".join(f"{prefix}{key} is now {prefix}{new}" for key, new in moved)
+        raise UserError(f"{source}: settings have moved: {where}")
 
 
 def load_toml(cls: type, path: str | Path) -> Any:
@@ -314,12 +336,31 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
         *parents, leaf = dotted.split(".")
         for part in parents:
             if not isinstance(node.get(part), dict):
-                raise UserError(f"unknown setting {dotted!r}")
+                raise UserError(_unknown_setting(cfg, dotted))
             node = node[part]
         if leaf not in node:
-            raise UserError(f"unknown setting {dotted!r}")
+            raise UserError(_unknown_setting(cfg, dotted))
         node[leaf] = value
     return from_dict(type(cfg), values, "command line")
+
+
+def _unknown_setting(cfg: Any, dotted: str) -> str:
+    """The message for a dotted key `cfg` has not: where it moved, when it has."""
+    cls, parts = type(cfg), dotted.split(".")
+    for i, part in enumerate(parts):
+        new = getattr(cls, "MOVED", {}).get(part)
+        if new is not None and part not in {f.name for f in dataclasses.fields(cls)}:
+            where = ".".join(parts[:i] + [new] + parts[i + 1:])
+            try:
+                field_of(type(cfg), where)
+            except (KeyError, StopIteration):  # moved twice: a moved table's renamed key
+                return _unknown_setting(cfg, where).replace(repr(where), repr(dotted))
+            return f"setting {dotted!r} has moved: it is now {where!r}"
+        try:
+            cls = _section_class(cls, part)
+        except KeyError:
+            break
+    return f"unknown setting {dotted!r}"
 
 
 def _section_class(cls: type, part: str) -> type:
@@ -406,29 +447,3 @@ def flags(cls: type) -> list[Flag]:
 
     walk(cls, "")
     return out
-
-
-def check_directory(path: str | os.PathLike, key: str = "out",
-                    what: str = "the run directory") -> str | None:
-    """Why no directory can be written at `path`, or None: it must be a directory, or a new
-    path under one, that this process may write into. Checked before anything is created,
-    so that a run does not fail on its first write with a bare OSError."""
-    text = str(path)
-    target = Path(text).expanduser()
-    try:
-        if target.exists():
-            if not target.is_dir():
-                return f"{key} {text!r} is an existing file; {what} must be a directory or a new path"
-            if not os.access(target, os.W_OK | os.X_OK):
-                return f"{key} {text!r} is not writable"
-            return None
-        parent = target.absolute().parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-    except OSError as exc:  # a name too long, a loop of links
-        return f"{key} {text!r} cannot be used: {exc.strerror}"
-    if not parent.is_dir():
-        return f"{key} {text!r} cannot be created: {parent} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{key} {text!r} cannot be created: {parent} is not writable"
-    return None

@@ -270,27 +270,31 @@ def _runs_under(path: str, problems: list[str]) -> list[Path]:
     return found
 
 
-def _info_of(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A run's summary (or, started and not ended, its config) and its table row."""
+def _info_of(run_dir: Path) -> tuple[dict[str, Any], tuple[str, Any]]:
+    """A run's summary (or, started and not ended, its config) as summary.json holds it, and
+    its table row's name and RunSummary; UserError naming the file that cannot be read."""
     from labavg.jobs.index import CONFIG, SUMMARY
-    from labavg.jobs.run_json import read_config_file, read_summary_file
+    from labavg.jobs.run_json import RunSummary, read_config_file, read_summary_file, summary_of
+    from labavg.training.config import config_from_dict
 
     try:
-        summary = {"run": str(run_dir), **read_summary_file(run_dir / SUMMARY)}
-        return summary, summary
+        values = read_summary_file(run_dir / SUMMARY)
+        return ({"run": str(run_dir), **values},
+                (str(run_dir), summary_of(values, str(run_dir / SUMMARY))))
     except FileNotFoundError:  # started, not ended: its settings are known, its results not yet
         pass
     try:
         config = read_config_file(run_dir / CONFIG)
     except FileNotFoundError:
         raise UserError(f"{run_dir / CONFIG}: missing (the run has no {SUMMARY} either)") from None
+    typed = RunSummary(config=config_from_dict(config, str(run_dir / CONFIG)))
     return ({"run": str(run_dir), "status": "running/incomplete", "config": config},
-            {"run": f"{run_dir} (running/incomplete)", "config": config})
+            (f"{run_dir} (running/incomplete)", typed))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     from labavg.base.errors import one_line
-    from labavg.jobs.summary import format_table
+    from labavg.jobs.summary import format_runs
 
     run_dirs, seen, problems = [], set(), []
     for path in args.run_dirs:
@@ -312,7 +316,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         single = len(summaries) == 1 and len(args.run_dirs) == 1 and run_dirs[0] == Path(args.run_dirs[0])
         print(json.dumps(summaries[0] if single else summaries, indent=2))
     elif rows:
-        print(format_table(rows))
+        print(format_runs(rows))
     for problem in problems:
         print(f"labavg: error: {one_line(problem)}", file=sys.stderr)
     return 2 if problems else 0

@@ -8,9 +8,9 @@ the dashboard and notebooks.
     run_row                   the one projection of a run into a table row (every table's
                               source; its columns are labavg.jobs.columns')
 
-A row's K is the effective averaging interval (`average_every_frames` turned into minibatches
-when it is set, TrainConfig.averaging_interval), as summary.json records it: every table shows
-the K the run trained with.
+A row's K is the effective averaging interval (`averaging.average_every_frames` turned into
+minibatches when it is set, TrainConfig.average_interval), as summary.json records it: every
+table shows the K the run trained with.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def list_runs(root: Path) -> list[RunRecord]:
 
 def _payload_name(config: TrainConfig) -> str:
     """What a run's rounds send, as summary.json names it: fp32, bf16, fp16, int4/8/16."""
-    return f"int{config.payload_bits}" if config.payload == "int" else config.payload
+    payload = config.averaging.payload
+    return f"int{config.averaging.payload_bits}" if payload == "int" else payload
 
 
 def _first(*values: Any) -> Any:
@@ -156,9 +157,9 @@ def run_row(name: str, config: TrainConfig | None, summary: RunSummary | None) -
     return {
         "run": name, "status": status, "backend": _first(cfg and cfg.backend, s.backend),
         "ranks": _first(s.ranks, cfg and cfg.ranks),
-        "average_every": _first(s.average_every, cfg and cfg.averaging_interval()),
-        "averaging": _first(s.averaging, cfg and cfg.averaging, "model"),
-        "reduce": _first(s.reduce, cfg and cfg.reduce, "allreduce"),
+        "average_every": _first(s.average_every, cfg and cfg.average_interval()),
+        "averaging": _first(s.averaging, cfg and cfg.averaging.method, "model"),
+        "reduce": _first(s.reduce, cfg and cfg.averaging.reduce, "allreduce"),
         "payload": _first(s.payload, cfg and _payload_name(cfg), "fp32"),
         "optimizer": _first(cfg and cfg.optimizer, s.optimizer),
         "lr": _first(cfg and cfg.lr, s.lr), "schedule": _first(cfg and cfg.schedule, s.schedule),
@@ -221,15 +222,15 @@ def differing_labels(configs: dict[str, TrainConfig]) -> dict[str, str]:
 
     Ranks, K and learning rate first (what a comparison of averaging varies), then the rest
     in the config's order; the model shape as one setting ("4x512"), K as trained
-    (TrainConfig.averaging_interval). Runs whose settings are all equal are told apart by
+    (TrainConfig.average_interval). Runs whose settings are all equal are told apart by
     their names.
     """
-    skip = {"out", "average_every", "average_every_frames", "model.hidden_layers",
-            "model.hidden_dim"}
+    skip = {"out", "averaging.average_every", "averaging.average_every_frames",
+            "model.hidden_layers", "model.hidden_dim"}
     flat = {}
     for name, cfg in configs.items():
         values = {k: v for k, v in flatten_config(to_dict(cfg)).items() if k not in skip}
-        values.update(K=cfg.averaging_interval(),
+        values.update(K=cfg.average_interval(),
                       model=f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}")
         flat[name] = values
     keys: list[str] = []

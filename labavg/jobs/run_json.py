@@ -34,12 +34,15 @@ SUMMARY_FIELDS = {
     "averaging": TEXT, "reduce": TEXT, "payload": TEXT, "optimizer": TEXT, "backend": TEXT,
     "schedule": TEXT, "stopped": FLAG, "config": OBJECT, "load_average": OBJECT,
 }
+# No "averaging": OBJECT: an older labavg's config.json has `averaging` as text, and
+# TrainConfig's refusal says where its settings went.
 CONFIG_FIELDS = {
-    "ranks": INT, "average_every": INT, "average_every_frames": INT, "minibatch": INT,
-    "epochs": INT, "seed": INT, "payload_bits": INT, "lr": NUMBER, "final_lr": NUMBER,
-    "backend": TEXT, "optimizer": TEXT, "schedule": TEXT, "averaging": TEXT, "reduce": TEXT,
-    "payload": TEXT, "out": TEXT, "model": OBJECT, "data": OBJECT,
-    "model.hidden_layers": INT, "model.hidden_dim": INT, "model.nonlinearity": TEXT,
+    "ranks": INT, "minibatch": INT, "epochs": INT, "seed": INT, "lr": NUMBER, "final_lr": NUMBER,
+    "backend": TEXT, "optimizer": TEXT, "schedule": TEXT, "out": TEXT, "model": OBJECT,
+    "data": OBJECT, "model.hidden_layers": INT, "model.hidden_dim": INT,
+    "model.nonlinearity": TEXT, "averaging.average_every": INT,
+    "averaging.average_every_frames": INT, "averaging.payload_bits": INT,
+    "averaging.method": TEXT, "averaging.reduce": TEXT, "averaging.payload": TEXT,
 }
 
 

@@ -115,7 +115,11 @@ def format_table(summaries: Iterable[Mapping[str, Any]]) -> str:
     """A Markdown table of runs (one row each): summary.json's objects, each with the run's
     name under "run" (as `labavg train` and `labavg info` print them); error rates when a run
     decoded."""
-    named = [(str(item.get("run")), as_summary(item)) for item in summaries]
+    return format_runs([(str(item.get("run")), as_summary(item)) for item in summaries])
+
+
+def format_runs(named: list[tuple[str, RunSummary]]) -> str:
+    """`format_table` of runs already read back: each run's name and RunSummary."""
     rows = [summary_row(name, summary) for name, summary in named]
     shown = {"wer_with_ci": any(r["wer"] is not None for r in rows),
              "per": any(r["wer"] is not None for r in rows),

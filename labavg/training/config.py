@@ -3,31 +3,30 @@ presets and memory check.
 
 Each section is declared next to the code it configures ([model], [rbm], [newbob] in
 labavg.training.settings, [data] in labavg.data.settings, [ngsgd] in labavg.optim.settings,
-[hierarchy] in labavg.averaging.settings, each averaging method's table with the method,
-labavg.averaging.methods); the machinery that reads, checks and lists them is
+[averaging] with its [averaging.hierarchy] and each method's table in
+labavg.averaging.settings); the machinery that reads, checks and lists them is
 labavg.base.settings. A TOML file holds the training keys at the top level and one table per
-section. Importing this module imports no torch (validation loads the averaging methods,
-which do).
+section. Importing this module, or validating with it, imports no torch.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from labavg.averaging.registry import method_names, method_sections, methods
-from labavg.averaging.settings import OVERLAP, PAYLOAD_BITS, PAYLOADS, AveragingPlan, HierarchyConfig
+from labavg.averaging.registry import methods
+from labavg.averaging.settings import MOVED_TO_AVERAGING, AveragingConfig
 from labavg.base.errors import UserError
 from labavg.base.faults import parse_fault
+from labavg.base.paths import check_directory
 from labavg.base.settings import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
-                                  check_directory, check_value, field_of, first_problem, flags,
-                                  from_dict, integer, load_toml, named_sections, one_of, real,
+                                  check_value, field_of, first_problem, flags,
+                                  from_dict, integer, load_toml, one_of, real,
                                   setting, type_of, with_overrides)
-from labavg.comm.settings import BACKENDS, REDUCE
+from labavg.comm.settings import BACKENDS
 from labavg.data.settings import DataConfig
 from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig
 from labavg.training.memory import (BYTES_PER_PARAMETER, MEMORY_FRACTION, MIN_FEAT_DIM,
@@ -61,33 +60,6 @@ class TrainConfig:
     out: str = setting("runs/run", "run directory to write", flag="--out")
     backend: str = setting("inproc", "how the ranks talk", one_of(BACKENDS), flag="--backend")
     ranks: int = setting(1, "number of workers (num_jobs)", POSITIVE, flag="--ranks")
-    # the paper: 10 minibatches of 1024 frames
-    average_every: int = setting(10, "minibatches between averaging rounds (K)", POSITIVE,
-                                 flag="--average-every")
-    average_every_frames: int | None = setting(
-        None, "frames between averaging rounds (K = round(frames / minibatch))", POSITIVE,
-        flag="--average-every-frames")
-    averaging: str = setting("model", "how a round combines the models (model: plain average, "
-                             "the paper; a method's settings in its own table, e.g. [bmuf])",
-                             one_of(method_names), flag="--averaging")
-    reduce: str = setting("allreduce", "how the ranks compute the mean (allreduce: the backend's "
-                          "collective; butterfly: recursive halving and doubling; ring)",
-                          one_of(REDUCE), flag="--reduce")
-    payload: str = setting("fp32", "what a round sends (fp32: the parameters; bf16, fp16, int: "
-                           "their change since the last round, compressed)", one_of(PAYLOADS),
-                           flag="--payload")
-    payload_bits: int = setting(8, "bits per value of payload = int (4, 8 or 16)",
-                                Rule(lambda v: v in PAYLOAD_BITS, "4, 8 or 16 (the quantisation "
-                                      "bits of payload = int)"),
-                                flag="--payload-bits")
-    error_feedback: bool = setting(True, "a lossy payload adds each rank's compression error to "
-                                   "its next round's change (1-bit SGD, EF-SGD)")
-    overlap: str = setting("none", "hide the round's mean behind the next K minibatches (eager: "
-                           "one round late, the whole model; streaming: one fragment per round)",
-                           one_of(OVERLAP), flag="--overlap")
-    streaming_fragments: int = setting(4, "overlap = streaming: contiguous fragments of the "
-                                       "model (whole parameter tensors), one synced per round",
-                                       POSITIVE)
     # the paper trains with natural-gradient SGD
     optimizer: str = setting("ngsgd", "optimizer", one_of(OPTIMIZERS), flag="--optimizer")
     lr: float = setting(0.008, "initial per-frame learning rate of one job (nnet1's default)",
@@ -133,36 +105,17 @@ class TrainConfig:
     ngsgd: NGConfig = setting(help="natural-gradient SGD", factory=NGConfig)
     rbm: RBMConfig = setting(help="RBM pretraining", factory=RBMConfig)
     newbob: NewbobConfig = setting(help="the Newbob schedule", factory=NewbobConfig)
-    # One table per registered averaging method with settings ([bmuf], [diloco]), read as
-    # `cfg.bmuf`; labavg.averaging.registry.
-    method_settings: dict[str, Any] = setting(help="each averaging method's own table",
-                                              factory=dict, sections=method_sections)
-    hierarchy: HierarchyConfig = setting(help="averaging within nodes, then across them",
-                                         factory=HierarchyConfig)
+    averaging: AveragingConfig = setting(help="how the workers average (the averager's plan)",
+                                         factory=AveragingConfig)
 
-    def __post_init__(self) -> None:
-        self.method_settings = named_sections(TrainConfig, self.method_settings, "method_settings")
+    # Keys of an earlier labavg that are now in [averaging]; a file with one is refused with
+    # where each went.
+    MOVED: ClassVar[dict[str, str]] = MOVED_TO_AVERAGING
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for what is not an attribute: a method's table by its name (`cfg.bmuf`).
-        sections = self.__dict__.get("method_settings", {})
-        if name in sections:
-            return sections[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def averaging_plan(self) -> AveragingPlan:
-        """The plain values labavg.averaging.factory.make_averager builds the averager from."""
-        return AveragingPlan(
-            method=self.averaging, every=self.averaging_interval(), reduce=self.reduce,
-            payload=self.payload, bits=self.payload_bits, error_feedback=self.error_feedback,
-            method_settings=self.method_settings.get(self.averaging), hierarchy=self.hierarchy,
-            overlap=self.overlap, fragments=self.streaming_fragments)
-
-    def averaging_interval(self) -> int:
-        """K, the number of minibatches between averaging rounds."""
-        if self.average_every_frames is not None:
-            return max(1, round(self.average_every_frames / self.minibatch))
-        return self.average_every
+    def average_interval(self) -> int:
+        """K, the minibatches between averaging rounds (averaging.average_every, or
+        averaging.average_every_frames over the minibatch)."""
+        return self.averaging.interval(self.minibatch)
 
     def max_change_limits(self) -> tuple[float, float]:
         """(max_change_per_sample, max_param_change) in force: Kaldi nnet2's for NG-SGD,
@@ -177,20 +130,16 @@ class TrainConfig:
 
     def problem(self, prefix: str = "") -> str | None:
         """What ties the run's settings and sections together; the message, or None."""
-        if self.hierarchy.every > 0:
+        if self.averaging.hierarchy.across_nodes_every > 0:
             problem = self.hierarchy_problem(
                 self.ranks if self.backend == "inproc" or self.ranks > 1 else None)
             if problem is not None:
                 return problem
-        if self.payload != "fp32" and self.reduce != "allreduce":
-            # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
-            return (f"payload = {self.payload!r} gathers the ranks' compressed changes and cannot "
-                    f"use reduce = {self.reduce!r} (set reduce = \"allreduce\" or payload = "
-                    f"\"fp32\")")
-        if self.overlap != "none":
-            problem = self.overlap_problem()
-            if problem is not None:
-                return problem
+        tensors = 2 * (self.model.hidden_layers + 1)  # a weight and a bias per affine layer
+        fragments = self.averaging.streaming_fragments
+        if self.averaging.overlap == "streaming" and fragments > tensors:
+            return (f"averaging.streaming_fragments = {fragments} exceeds the {tensors} "
+                    f"parameter tensors of a model with {self.model.hidden_layers} hidden layers")
         if self.data.buffer_frames < self.minibatch:
             # FrameBatches needs a whole minibatch in its buffer.
             return (f"data.buffer_frames ({self.data.buffer_frames}) must be at least the "
@@ -198,49 +147,9 @@ class TrainConfig:
         return None
 
     def hierarchy_problem(self, size: int | None) -> str | None:
-        """What is wrong with the [hierarchy] settings on `size` ranks (None: not known yet)."""
-        if self.average_every_frames is not None:
-            k_name = (f"K = {self.averaging_interval()} (average_every_frames = "
-                      f"{self.average_every_frames})")
-        else:
-            k_name = f"average_every = {self.average_every}"
-        return self.hierarchy.problem_with(self.averaging_interval(), k_name, self.backend, size)
-
-    def overlap_problem(self) -> str | None:
-        """What `overlap` does not combine with (labavg.averaging.overlap, docs/averaging.md
-        "Overlap")."""
-        mode = self.overlap
-        if self.hierarchy.every > 0:
-            return f"overlap = {mode} does not combine with hierarchy.every > 0 yet"
-        if self.reduce != "allreduce":
-            return (f"overlap = {mode} needs reduce = allreduce (the backend's non-blocking "
-                    f"collective); reduce = {self.reduce} is a blocking exchange")
-        if self.payload != "fp32":
-            # The compressed payloads are gathered by a blocking allgather (labavg.averaging.payload).
-            return (f"overlap = {mode} does not combine with payload = {self.payload!r} yet "
-                    f"(set payload = \"fp32\" or overlap = \"none\")")
-        tensors = 2 * (self.model.hidden_layers + 1)  # a weight and a bias per affine layer
-        if mode == "streaming" and self.streaming_fragments > tensors:
-            return (f"streaming_fragments = {self.streaming_fragments} exceeds the {tensors} "
-                    f"parameter tensors of a model with {self.model.hidden_layers} hidden layers")
-        return None
-
-
-def _with_method_keywords(init: Any) -> Any:
-    """TrainConfig's __init__ taking a method's table as a keyword too (`bmuf=BMUFConfig(...)`,
-    and so `dataclasses.replace(cfg, bmuf=...)`), as it is read (`cfg.bmuf`)."""
-    @functools.wraps(init)
-    def __init__(self: TrainConfig, *args: Any, **values: Any) -> None:
-        known = method_sections()
-        given = {name: values.pop(name) for name in list(values) if name in known}
-        if given:
-            values["method_settings"] = {**values.get("method_settings", {}), **given}
-        init(self, *args, **values)
-
-    return __init__
-
-
-TrainConfig.__init__ = _with_method_keywords(TrainConfig.__init__)  # type: ignore[method-assign]
+        """What is wrong with [averaging.hierarchy] on `size` ranks (None: not known yet)."""
+        return self.averaging.hierarchy.problem_with(
+            self.average_interval(), self.averaging.k_name(self.minibatch), self.backend, size)
 
 
 def config_from_dict(values: Any, source: str = "config") -> TrainConfig:
@@ -275,8 +184,8 @@ def check_setting(key: str, value: Any) -> str | None:
 
 
 def check_hierarchy(cfg: TrainConfig, size: int) -> None:
-    """UserError unless the [hierarchy] settings fit `size` ranks (the launched ones)."""
-    if cfg.hierarchy.every > 0:
+    """UserError unless the [averaging.hierarchy] settings fit `size` ranks (the launched ones)."""
+    if cfg.averaging.hierarchy.across_nodes_every > 0:
         problem = cfg.hierarchy_problem(size)
         if problem is not None:
             raise UserError(problem)
@@ -314,9 +223,9 @@ def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
     params = parameter_count(m, input_dim, num_pdfs)
     widths = input_dim + 2 * m.hidden_layers * m.hidden_dim + num_pdfs
     buffer = max(cfg.data.buffer_frames, cfg.minibatch, cfg.rbm.minibatch_size) * input_dim * 4
-    method = methods().get(cfg.averaging)
+    method = methods().get(cfg.averaging.method)
     per_parameter = BYTES_PER_PARAMETER + (method.outer_bytes_per_parameter if method else 0)
-    if cfg.payload != "fp32":
+    if cfg.averaging.payload != "fp32":
         per_parameter += PAYLOAD_BYTES_PER_PARAMETER
     per_worker = params * per_parameter + buffer + 2 * 4 * cfg.minibatch * widths
     return per_worker * (cfg.ranks if cfg.backend == "inproc" else 1)

@@ -60,8 +60,8 @@ def train_rank(
     the averager says a round is due (every K-th minibatch and each epoch end). Checkpoints go
     to `run_dir` when given. `should_stop` is polled at every averaging round; when it is true
     on any rank, all ranks stop together after that round (with a checkpoint, so the run can
-    be resumed). `new_averager(cfg.averaging_plan(), flat, comm, sizes=...)` makes the run's averager
-    (labavg.averaging.factory.make_averager; any RoundAverager will do).
+    be resumed). `new_averager(cfg.averaging, cfg.minibatch, flat, comm, sizes=...)` makes the
+    run's averager (labavg.averaging.factory.make_averager; any RoundAverager will do).
     """
     run = yield from _set_up(comm, cfg, source, run_dir, resume, device or torch.device("cpu"),
                              new_averager)
@@ -157,12 +157,12 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
-    run.averager = new_averager(cfg.averaging_plan(), flat, comm,
+    run.averager = new_averager(cfg.averaging, cfg.minibatch, flat, comm,
                                 sizes=[p.numel() for p in model.parameters()])
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
     run.cores = run_cores(comm)
-    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.averaging_interval(), run.total_steps)
+    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.average_interval(), run.total_steps)
     return run
 
 
@@ -182,7 +182,7 @@ def _run_started(run: _RankRun) -> RunStarted:
         device=str(run.device), num_params=count_parameters(run.model),
         num_pdfs=run.source.num_pdfs, input_dim=input_dim(run.model),
         steps_per_epoch=run.num_steps, train_utterances=len(run.train_keys),
-        cv_utterances=len(run.cv_keys), average_every=cfg.averaging_interval(),
+        cv_utterances=len(run.cv_keys), average_every=cfg.average_interval(),
         effective_lr=run.lr0, start_step=run.progress.step, cores=run.cores, backend=cfg.backend,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         **asdict(run.averager.describe(run.flat)),

@@ -32,7 +32,7 @@ class Progress:
     step: int = 0  # minibatches done since the start of the run
     rounds: int = 0  # averaging rounds done
     bytes_sent: int = 0  # parameter (or payload) bytes this rank put into the rounds' collectives
-    node_rounds: int = 0  # of `rounds`, those within the node only ([hierarchy])
+    node_rounds: int = 0  # of `rounds`, those within the node only ([averaging.hierarchy])
     node_bytes_sent: int = 0  # of `bytes_sent`, those of the node rounds
     overlap_seconds: float = 0.0  # of `comm_seconds`, those of non-blocking means (overlap)
     overlap_bytes_sent: int = 0  # of `bytes_sent`, those of non-blocking means

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from IPython.core.interactiveshell import InteractiveShell
 
+from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.launch import start_run
 from labavg.data.settings import DataConfig
@@ -26,7 +27,8 @@ from labavg.training.settings import ModelConfig
 async def notebook(corpus: Path, work: Path) -> None:
     cluster = Cluster.start(2, device="cpu", profile_dir=str(work / "profile"), timeout=90)
     cfg = TrainConfig(out=str(work / "run"), ranks=2, backend="mpi", minibatch=64, epochs=1,
-                      average_every=2, model=ModelConfig(hidden_layers=1, hidden_dim=32),
+                      averaging=AveragingConfig(average_every=2),
+                      model=ModelConfig(hidden_layers=1, hidden_dim=32),
                       data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
                       tensorboard=False)
     start_run(cfg, cluster=cluster).wait(timeout=120)

@@ -41,20 +41,21 @@ _SHORT = MethodTable(lambda cls: cls.short)
 
 def _payload(run: Run) -> str:
     """A run's payload: fp32, bf16, fp16, or int<bits> (fp32 for runs from before payloads)."""
-    kind = run.get("payload") or "fp32"
-    return f"int{run.get('payload_bits')}" if kind == "int" else kind
+    kind = run.get("averaging.payload") or "fp32"
+    return f"int{run.get('averaging.payload_bits')}" if kind == "int" else kind
 
 
 def _cell(runs: list[Run], ranks: int, k: int, method: str, payload: str = "fp32") -> dict[int, Run]:
     # The payload first: `select` keeps one run per seed, and the payloads share every setting
     # `select` looks at.
-    return select([r for r in runs if _payload(r) == payload], ranks=ranks, average_every=k,
-                  averaging=method)
+    return select([r for r in runs if _payload(r) == payload], ranks=ranks,
+                  averaging__average_every=k, averaging__method=method)
 
 
 def _points(runs: list[Run]) -> list[tuple[int, int, str, str]]:
     """(ranks, K, method, payload) of every multi-worker cell, in the table's order."""
-    keys = {(r.get("ranks"), r.get("average_every"), r.get("averaging") or "model", _payload(r))
+    keys = {(r.get("ranks"), r.get("averaging.average_every"), r.get("averaging.method") or "model",
+             _payload(r))
             for r in runs if (r.get("ranks") or 1) > 1}
     order = {m: i for i, m in enumerate(METHODS)}
     return sorted(keys, key=lambda p: (p[0], p[1], order.get(p[2], len(order)), p[3] != "fp32", p[3]))

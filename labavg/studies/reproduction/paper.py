@@ -21,7 +21,7 @@ from labavg.studies.reproduction.verdicts import (ACCURACY_MARGIN, NEGATIVE, POS
 PAPER_WORKERS = {1: 14.7, 8: 15.1, 16: 15.1, 32: 15.2}
 PAPER_SPEEDUP_K = {10: 9.32, 20: 10.07}  # 16 GPUs
 # The settings the comparisons vary; the rest is the sweep's base.
-VARIED = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch")
+VARIED = ("ranks", "averaging.average_every", "optimizer", "pretrain", "schedule", "minibatch")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class Pair:
     finding: str
 
     @property
+    def name(self) -> str:
+        """The varied setting as the report's tables name it: its key within its section."""
+        return self.vary.rsplit(".", 1)[-1]
+
+    @property
     def paper_effect(self) -> float | None:
         """The paper's WER change of `worse` over `better`, 100 x ln(ratio)."""
         return None if self.paper is None else log_ratio(*self.paper)
@@ -46,7 +51,7 @@ WORKER_PAIRS = tuple(
     Pair(f"{n} workers vs 1", "ranks", 1, n, {}, (PAPER_WORKERS[1], PAPER_WORKERS[n]),
          f"{n} workers cost a little WER") for n in PAPER_WORKERS if n > 1)
 PAIRS = (
-    Pair("Averaging every 10 vs 20 minibatches (16 workers)", "average_every", 10, 20,
+    Pair("Averaging every 10 vs 20 minibatches (16 workers)", "averaging.average_every", 10, 20,
          {"ranks": 16}, (15.1, 15.8), "averaging every 10 minibatches is better"),
     Pair("NG-SGD vs plain SGD (1 worker)", "optimizer", "ngsgd", "sgd", {"ranks": 1},
          (14.7, 14.9), "NG-SGD is better"),

@@ -64,7 +64,7 @@ def pair_table(runs: list[Run], base: dict[str, Any], pair: Pair) -> list[str]:
         rows.append((value, len(here), mean_sd(stat(here, "wer")), wer_interval_of(here),
                      mean_sd(stat(here, "per")), mean_sd(stat(here, "cv_acc_pct")),
                      "-" if pair.paper is None else str(pair.paper[i])))
-    table = markdown_table((pair.vary, "seeds", "WER % (mean ± sd)", "test-set 95 % CI", "PER %",
+    table = markdown_table((pair.name, "seeds", "WER % (mean ± sd)", "test-set 95 % CI", "PER %",
                             "CV frame acc %", "paper WER %"), rows)
     return table + ["", pair_sentence(e)]
 

@@ -82,7 +82,7 @@ def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | Non
         if run.exists():
             shutil.rmtree(run)
         cfg = with_overrides(base, {"out": str(run.resolve()), "ranks": ranks, "backend": "mpi",
-                                    "average_every": k, "epochs": epochs, "decode_data": None})
+                                    "averaging.average_every": k, "epochs": epochs, "decode_data": None})
         start_run(cfg, cwd=cwd).wait()
 
 

@@ -53,7 +53,7 @@ def pair_sentence(e: Effect) -> str:
     """One comparison's effect, its share of seeds in the paper's direction and its verdict."""
     pair = e.pair
     paper = "" if pair.paper is None else f" (paper: {pair.paper_effect:+.1f} %)"
-    return (f"WER of {pair.vary} = {pair.worse} over {pair.vary} = {pair.better}, same seed: "
+    return (f"WER of {pair.name} = {pair.worse} over {pair.name} = {pair.better}, same seed: "
             f"{interval(e.wer, 1)} % (100 ln ratio){paper}, {e.direction} seeds in the paper's "
             f"direction; frame accuracy {pair.better} minus {pair.worse}: {interval(e.accuracy)} "
             f"points ({e.accuracy_verdict}). Paper: {pair.finding}. **Verdict: {e.verdict}.**")
@@ -93,7 +93,7 @@ def chosen(paper_runs: list[Run], base: dict[str, Any]) -> list[str]:
         "speech, with held-out dev (acoustic scale) and test (scored) sets of other speakers;",
         f"- model {s0.get('model.hidden_layers', '-')} x {s0.get('model.hidden_dim', '-')} "
         f"{s0.get('model.nonlinearity', '')}, {s0.get('epochs', '-')} epochs, minibatch "
-        f"{base.get('minibatch')}, K = {base.get('average_every')} minibatches, NG-SGD, exponential "
+        f"{base.get('minibatch')}, K = {base.get('averaging.average_every')} minibatches, NG-SGD, exponential "
         f"schedule, learning rate {s0.get('lr', '-')} x N workers, "
         f"{seeds_per_point(paper_runs)} seeds per point;",
         f"- so every worker at N = 32 makes {updates32.mean if updates32 else 0:,.0f} "

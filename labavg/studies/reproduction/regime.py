@@ -60,7 +60,7 @@ def point(corpus: str, hours: float, these: dict[int, Run], one: dict[int, Run])
     """The map point of `these` runs (same corpus and settings, by seed) against `one` worker."""
     any_run = next(iter(these.values()))
     n = any_run.get("ranks")
-    k, mb = any_run.get("average_every") or 1, any_run.get("minibatch") or 1
+    k, mb = any_run.get("averaging.average_every") or 1, any_run.get("minibatch") or 1
     loss = (spread(paired(one, these, "cv_acc_pct")) if n > 1
             else Spread(0.0, 0.0, len(one), 0.0, 0.0))
     return MapPoint(corpus, hours, n, len(these), stat(these, "steps").mean,
@@ -188,8 +188,8 @@ def _change(run: Run) -> str | None:
     if rule != "linear":
         parts.append({"sqrt": "learning rate x sqrt(N)", "none": "learning rate x 1"}.get(
             rule, f"lr_scaling {rule}"))
-    if (run.get("average_every") or 10) != 10:
-        parts.append(f"K = {run.get('average_every')}")
+    if (run.get("averaging.average_every") or 10) != 10:
+        parts.append(f"K = {run.get('averaging.average_every')}")
     if run.get("max_change_per_sample") == 0.0:
         parts.append("no per-frame max-change")
     return ", ".join(parts) or None

@@ -111,12 +111,13 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
 
 SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond", "asterisk")
 # What a results file keeps of each run's settings: enough to select and to describe it.
-_KEPT = ("ranks", "average_every", "optimizer", "pretrain", "schedule", "minibatch", "seed",
-         "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours", "model.hidden_layers",
-         "model.hidden_dim", "model.nonlinearity", "decode_data", "final_lr",
-         "max_change_per_sample", "max_param_change", "rbm.epochs", "averaging", "reduce",
-         "payload", "payload_bits", "bmuf.momentum", "bmuf.block_lr", "diloco.outer_lr",
-         "diloco.momentum")
+_KEPT = ("ranks", "averaging.average_every", "optimizer", "pretrain", "schedule", "minibatch",
+         "seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",
+         "model.hidden_layers", "model.hidden_dim", "model.nonlinearity", "decode_data", "final_lr",
+         "max_change_per_sample", "max_param_change", "rbm.epochs", "averaging.method",
+         "averaging.reduce", "averaging.payload", "averaging.payload_bits",
+         "averaging.bmuf.momentum", "averaging.bmuf.block_lr", "averaging.diloco.outer_lr",
+         "averaging.diloco.momentum")
 
 
 def collect(out: Path) -> dict[str, list[Run]]:
