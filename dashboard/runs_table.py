@@ -41,6 +41,8 @@ class RunTable(param.Parameterized):
     runs_dir = param.String(default="runs")
     rows = param.List(default=[], doc="one dict per run, TABLE_COLUMNS keys, oldest first")
     selected = param.List(default=[], doc="names of the runs to overlay")
+    problems = param.List(default=[], doc="one line per run directory not read in full, "
+                          "naming the file (a run from an older labavg, a damaged file)")
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
@@ -50,7 +52,9 @@ class RunTable(param.Parameterized):
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
-        records = list_runs(Path(self.runs_dir))
+        problems: list[str] = []
+        records = list_runs(Path(self.runs_dir), problems)
+        self.problems = problems
         rows = [table_row(run_row(r.name, r.config, r.summary), r.summary) for r in records]
         self._points, newest = [], None
         for record, row in zip(records, rows):

@@ -83,6 +83,10 @@ class RunsView(pn.viewable.Viewer):
         self.refresh_button = pn.widgets.Button(label="Refresh", width=100)
         self.refresh_button.on_click(lambda _: self.refresh(force=True))
         self.overlay = RunsOverlay()
+        # The runs directories the scan could not read, each named, above the table they
+        # are missing from (or listed in without results).
+        self.problems = pn.pane.Alert("", alert_type="warning", visible=False,
+                                      sizing_mode="stretch_width", margin=(0, 10))
         self.communication = pn.pane.HoloViews(communication_plot([]), sizing_mode="stretch_width")
 
     def __panel__(self) -> pn.Column:
@@ -91,7 +95,7 @@ class RunsView(pn.viewable.Viewer):
             pn.Row(pn.pane.Markdown("Tick runs to overlay them below; the legend names what differs "
                                     "between them.", margin=(8, 10)),
                    pn.layout.HSpacer(), self.refresh_button, self.download),
-            self.tabulator, self.overlay, sizing_mode="stretch_width",
+            self.problems, self.tabulator, self.overlay, sizing_mode="stretch_width",
         )
 
     def communication_view(self) -> pn.Column:
@@ -111,10 +115,17 @@ class RunsView(pn.viewable.Viewer):
         self.table.selected = [frame.iloc[i]["run"] for i in event.new if i < len(frame)]
         self.overlay.show(self.table.overlay())
 
+    def _show_problems(self, problems: list[str]) -> None:
+        text = "\n".join(f"- Not read: {p}" for p in problems)
+        if text != self.problems.object:
+            self.problems.object = text
+            self.problems.visible = bool(problems)
+
     def refresh(self, force: bool = False) -> None:
         """Rescan the runs directory and redraw the table and the communication plots."""
         selected = list(self.table.selected)
         rows = self.table.refresh()
+        self._show_problems(self.table.problems)
         # json: a NaN (a stopped run's CV) equals itself there.
         drawn = json.dumps(rows, sort_keys=True, default=str)
         if drawn == self._drawn and not force:

@@ -442,6 +442,36 @@ def test_an_oversubscribed_run_says_so_beside_the_cost_models_n_machines(finishe
     assert "for 3 machines" in note and dict(table.predicted())[3] > 1
 
 
+def test_runs_the_table_cannot_read_are_named_above_it(finished_runs, tmp_path):
+    """A run an older labavg wrote (K at its config's top level) is left out and a damaged
+    summary.json leaves its run without results; the Runs tab names both files."""
+    from dashboard.runs_view import RunsView
+
+    runs, _ = finished_runs
+    copy = tmp_path / "runs"
+    shutil.copytree(runs, copy)
+    old, damaged = sorted(copy.iterdir())
+    config = json.loads((old / "config.json").read_text())
+    config["average_every"] = config.pop("averaging")["average_every"]
+    (old / "config.json").write_text(json.dumps(config))
+    (damaged / "summary.json").write_text("{")
+    (copy / "not-a-run-yet").mkdir()  # a run directory before its config.json: no problem
+    table = RunTable(runs_dir=str(copy))
+    view = RunsView(table)
+    view.refresh()
+    assert [r["run"] for r in table.rows] == [damaged.name]
+    assert table.rows[0]["status"] != "finished"
+    assert len(table.problems) == 2
+    assert table.problems[0] == (f"{old / 'config.json'}: settings have moved: average_every "
+                                 "is now averaging.average_every")
+    assert table.problems[1].startswith(f"{damaged / 'summary.json'}: ")
+    assert view.problems.visible and all(p in view.problems.object for p in table.problems)
+    for run, file in ((old, "config.json"), (damaged, "summary.json")):  # mended
+        (run / file).write_text((runs / run.name / file).read_text())
+    view.refresh()
+    assert table.problems == [] and not view.problems.visible and len(table.rows) == 2
+
+
 def three_corpus(live: LiveRun) -> Path:
     return Path(live.config["data"]["data"])
 

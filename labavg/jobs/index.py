@@ -120,16 +120,22 @@ def read_run(run_dir: Path) -> RunRecord:
         return RunRecord(run_dir, config, None, damaged=str(exc))
 
 
-def list_runs(root: Path) -> list[RunRecord]:
-    """The runs directly under `root`, by name; a directory without a readable config.json is
-    not a run (yet)."""
+def list_runs(root: Path, problems: list[str] | None = None) -> list[RunRecord]:
+    """The runs directly under `root`, by name; a directory without config.json is not a run
+    (yet). Each run that cannot be read in full (its config.json damaged or from an older
+    labavg: left out; its summary.json damaged: listed by its settings) adds one line naming
+    the file to `problems`, when given."""
     root = Path(root).expanduser()
     records = []
     for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
         try:
             records.append(read_run(run_dir))
-        except (OSError, UserError):
+        except (OSError, UserError) as exc:
+            if problems is not None and (run_dir / CONFIG).is_file():
+                problems.append(str(exc))
             continue
+        if problems is not None and records[-1].damaged:
+            problems.append(records[-1].damaged)
     return records
 
 
