@@ -29,9 +29,6 @@ from labavg.training.model import ModelConfig
 from labavg.jobs.index import read_events
 from labavg.jobs.summary import read_summary
 
-pytest.importorskip("ipyparallel")
-pytest.importorskip("mpi4py")
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:

@@ -422,7 +422,6 @@ def test_an_oversubscribed_run_says_so_beside_the_cost_models_n_machines(finishe
                                                                            tmp_path):
     """3 workers on 2 cores: at most 2x here, said in the table's text (labavg.jobs.speedup's
     flag) and beside the cost model's speedup for 3 machines on the Scaling tab."""
-    pytest.importorskip("panel")
     from dashboard.scaling_view import ScalingView
 
     runs, (_, three) = finished_runs
@@ -666,7 +665,6 @@ def test_buffers_are_bounded():
 
 
 def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
-    pytest.importorskip("holoviews")
     from dashboard.live_view import LivePlots
 
     _, (_, three) = finished_runs
@@ -737,8 +735,6 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
 # Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
 @pytest.mark.slow
 def test_mpi_engines_say_they_are_starting_until_they_train(corpus, tmp_path):
-    pytest.importorskip("ipyparallel", reason="the MPI-engines backend needs ipyparallel")
-    pytest.importorskip("mpi4py")
     live = LiveRun()
     assert live.start(tiny_settings(corpus, tmp_path, backend="MPI engines")), live.status
     assert live.status.startswith("Starting 2 MPI engines for ") and "the plots fill" in live.status
@@ -802,7 +798,6 @@ def test_a_reload_shows_the_runs_settings_not_the_defaults(corpus, tmp_path):
     """A reload mid-run (a new Dashboard) shows the server's run and, in its boxes, the
     settings that run trains with; after the run, a new page shows the last run the same way;
     Start then trains what is on screen."""
-    pytest.importorskip("panel")
     from dashboard.app import Dashboard
     from labavg.training.config import config_from_dict
 

@@ -116,7 +116,6 @@ def rerun_base(corpus, tmp_path):
 
 
 def test_the_rerun_control_refuses_bad_boxes_before_anything_starts(rerun_base, tmp_path):
-    pytest.importorskip("panel")
     from dashboard.rerun import RerunControl
 
     control = RerunControl(rerun_base, tmp_path / "runs")
@@ -134,7 +133,6 @@ def test_the_rerun_control_refuses_bad_boxes_before_anything_starts(rerun_base, 
 
 
 def test_the_rerun_control_trains_and_shows_each_run(rerun_base, tmp_path):
-    pytest.importorskip("panel")
     from dashboard.rerun import RerunControl
 
     control = RerunControl(rerun_base, tmp_path / "runs")
