@@ -137,6 +137,9 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = D
         dashboard.settings.preset = preset
     page = dashboard.inline_view() if inline else dashboard.view()
     pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
+    if pn.state.curdoc is not None:
+        # Served: the session ends when its page is closed; its run must not queue for it.
+        pn.state.curdoc.on_session_destroyed(lambda _context: dashboard.live.close())
     page.dashboard = dashboard  # for tests and notebooks: the state behind the page
     return page
 

@@ -92,6 +92,7 @@ class LiveRun(param.Parameterized):
         self._tail: EventTail | None = None
         self._summary: dict[str, Any] | None = None
         self._job: Job | None = None  # the server's run this page follows (started elsewhere)
+        self._closed = threading.Event()
 
     # -- starting and stopping -------------------------------------------------------------
 
@@ -166,6 +167,13 @@ class LiveRun(param.Parameterized):
             self.running = False
             self.status = f"Stopped following {self.run_dir}."
 
+    def close(self) -> None:
+        """The page is gone (its session ended). Its run goes on (a reload or another page
+        follows it from events.jsonl), but nothing drains this page's queue any more: the
+        worker stops queueing for it, or a long run's events would pile up in the server."""
+        self._closed.set()
+        self._events = queue.SimpleQueue()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the worker thread; True when it has ended."""
         if self._thread is not None:
@@ -200,7 +208,8 @@ class LiveRun(param.Parameterized):
             stopping = False
             while not handle.done():
                 for event in handle.poll():
-                    self._events.put(event)
+                    if not self._closed.is_set():
+                        self._events.put(event)
                 if self._stop.is_set() and not stopping:
                     handle.stop()
                     stopping = True
@@ -210,7 +219,8 @@ class LiveRun(param.Parameterized):
         except BaseException as exc:  # noqa: BLE001 - shown in the page, not lost on a thread
             outcome = ("failed", f"{type(exc).__name__}: {one_line(user_error_of(exc) or exc)}")
         for event in handle.poll() if handle is not None else []:
-            self._events.put(event)
+            if not self._closed.is_set():
+                self._events.put(event)
         self._outcome.put(outcome)
 
     # -- monitor mode ----------------------------------------------------------------------

@@ -35,6 +35,29 @@ def table_row(row: dict[str, Any], summary: RunSummary | None) -> dict[str, Any]
     return csv_row(TABLE_COLUMNS, {**row, "speedup_note": speedup_note(summary)})
 
 
+def run_curve(events: Any, scale: int) -> dict[str, list[float]]:
+    """A run's overlay curves from its events: mean training loss and mean divergence before
+    averaging over the ranks, by frames over all ranks (`scale` = minibatch x ranks), and
+    rank 0's CV frame accuracy (%) at each epoch's end."""
+    sums: dict[int, list[float]] = {}
+    divs: dict[int, list[float]] = {}
+    cv_x, cv_y = [], []
+    for event in events:
+        if isinstance(event, MinibatchDone):
+            sums.setdefault(event.step, []).append(event.loss)
+        elif isinstance(event, Averaged):
+            divs.setdefault(event.step, []).append(event.divergence)
+        elif isinstance(event, EpochDone) and event.rank == 0:
+            cv_x.append(event.step * scale)
+            cv_y.append(100 * event.cv_frame_accuracy)
+    steps, rounds = sorted(sums), sorted(divs)
+    return {"frames": [s * scale for s in steps],
+            "loss": [float(np.mean(sums[s])) for s in steps],
+            "div_frames": [s * scale for s in rounds],
+            "divergence": [float(np.mean(divs[s])) for s in rounds],
+            "cv_frames": cv_x, "cv_acc_pct": cv_y}
+
+
 class RunTable(param.Parameterized):
     """The runs under `runs_dir`: one row each (config + summary), overlay selection, CSV."""
 
@@ -49,6 +72,7 @@ class RunTable(param.Parameterized):
         self._configs: dict[str, TrainConfig] = {}
         self._points: list[dict[str, Any]] = []
         self._predicted: list[tuple[int, float]] = []
+        self._curves: dict[str, tuple[tuple[Any, ...], dict[str, list[float]]]] = {}
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
@@ -69,6 +93,9 @@ class RunTable(param.Parameterized):
         self._predicted = prediction(summary_costs(newest[0]), newest[1], ranks) if newest else []
         configs = {r.name: r.config for r in records}
         self._configs = configs
+        root = Path(self.runs_dir).expanduser()
+        kept = {str(root / name) for name in configs}
+        self._curves = {key: value for key, value in self._curves.items() if key in kept}
         self.selected = [name for name in self.selected if name in configs]
         self.rows = rows
         return rows
@@ -96,31 +123,25 @@ class RunTable(param.Parameterized):
         root = Path(self.runs_dir).expanduser()
         selected = [name for name in self.selected if name in self._configs]
         labels = differing_labels({name: self._configs[name] for name in selected})
-        curves = {}
-        for name in selected:
-            cfg = self._configs[name]
-            scale = cfg.minibatch * cfg.ranks
-            sums: dict[int, list[float]] = {}
-            divs: dict[int, list[float]] = {}
-            cv_x, cv_y = [], []
-            for event in read_run_events(root / name) if (root / name / EVENTS).is_file() else []:
-                if isinstance(event, MinibatchDone):
-                    sums.setdefault(event.step, []).append(event.loss)
-                elif isinstance(event, Averaged):
-                    divs.setdefault(event.step, []).append(event.divergence)
-                elif isinstance(event, EpochDone) and event.rank == 0:
-                    cv_x.append(event.step * scale)
-                    cv_y.append(100 * event.cv_frame_accuracy)
-            steps, rounds = sorted(sums), sorted(divs)
-            curves[name] = {
-                "label": labels[name],
-                "frames": [s * scale for s in steps],
-                "loss": [float(np.mean(sums[s])) for s in steps],
-                "div_frames": [s * scale for s in rounds],
-                "divergence": [float(np.mean(divs[s])) for s in rounds],
-                "cv_frames": cv_x, "cv_acc_pct": cv_y,
-            }
-        return curves
+        return {name: {"label": labels[name], **self._curve(root / name, self._configs[name])}
+                for name in selected}
+
+    def _curve(self, run_dir: Path, cfg: TrainConfig) -> dict[str, list[float]]:
+        # Ticking one more run must not reread every ticked run's log (a long run's is tens
+        # of MB): a log is read again only when it has changed since.
+        events = run_dir / EVENTS
+        try:
+            stat = events.stat()
+            stamp: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, cfg.minibatch, cfg.ranks)
+        except OSError:
+            stamp = (None,)
+        cached = self._curves.get(str(run_dir))
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        curve = run_curve(read_run_events(run_dir) if stamp != (None,) else [],
+                          cfg.minibatch * cfg.ranks)
+        self._curves[str(run_dir)] = (stamp, curve)
+        return curve
 
     def communication(self) -> list[dict[str, Any]]:
         """(method, ranks, K, MB sent per rank, CV accuracy %, WER %, run) of the finished

@@ -513,6 +513,32 @@ def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_pa
     assert active_job() is None and not second.attach()
 
 
+def test_a_closed_page_stops_queueing_its_runs_events_and_the_run_goes_on(corpus, tmp_path):
+    """Nothing drains a closed page's queue: the events of a run it started must not pile up
+    in the server for as long as the run lasts. The run itself is not stopped."""
+    from bokeh.document import Document
+    from panel.io.state import set_curdoc
+
+    from dashboard.app import create_app
+
+    doc = Document()
+    with set_curdoc(doc):
+        page = create_app(runs_dir=str(tmp_path), data=str(corpus), inline=False)
+    live = page.dashboard.live
+    settings = tiny_settings(corpus, tmp_path, epochs=3)
+    assert live.start(settings), live.status
+    deadline = time.monotonic() + 60
+    while live._events.empty():
+        assert time.monotonic() < deadline, live.status
+        time.sleep(0.02)
+    for callback in doc.session_destroyed_callbacks:  # what the server does when the page goes
+        callback(None)
+    assert live.join(120)
+    assert live._events.empty()
+    summary = json.loads((Path(live.run_dir) / "summary.json").read_text())
+    assert summary["stopped"] is False and summary["steps"] > 0
+
+
 def test_a_second_start_while_running_is_refused(corpus, tmp_path):
     live = LiveRun()
     assert live.start(tiny_settings(corpus, tmp_path, epochs=50))
@@ -883,3 +909,33 @@ def test_the_overlay_draws_the_ticked_runs_as_columns_replaced_on_each_tick(fini
     assert overlay.figures == figures  # the same figures: only their data changed
     overlay.show({})
     assert list(overlay.sources["cv"].data["xs"]) == [] and overlay.legend.object == ""
+
+
+def test_ticking_one_more_run_rereads_only_the_logs_that_changed(finished_runs, tmp_path,
+                                                                  monkeypatch):
+    import dashboard.runs_table as runs_table
+
+    runs, _ = finished_runs
+    for run in runs.iterdir():
+        shutil.copytree(run, tmp_path / run.name)
+    table = RunTable(runs_dir=str(tmp_path))
+    names = [r["run"] for r in table.refresh()]
+    read = []
+    real = runs_table.read_run_events
+    monkeypatch.setattr(runs_table, "read_run_events",
+                        lambda run_dir: read.append(Path(run_dir).name) or real(run_dir))
+    table.selected = names[:1]
+    first = table.overlay()
+    table.selected = names
+    both = table.overlay()
+    assert read == names  # the first run's log was read once
+    assert {**both[names[0]], "label": ""} == {**first[names[0]], "label": ""}
+    table.overlay()
+    assert read == names  # nothing changed: nothing reread
+    events = tmp_path / names[0] / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    events.write_text("".join(lines[: len(lines) // 2]))  # the log changed: read again
+    again = table.overlay()
+    assert read == [*names, names[0]]
+    assert len(again[names[0]]["loss"]) < len(both[names[0]]["loss"])
+    assert again[names[1]] == both[names[1]]
