@@ -207,9 +207,7 @@ class LiveRun(param.Parameterized):
             handle = start_run(cfg, launcher=launcher)
             stopping = False
             while not handle.done():
-                for event in handle.poll():
-                    if not self._closed.is_set():
-                        self._events.put(event)
+                self._relay(handle.poll())
                 if self._stop.is_set() and not stopping:
                     handle.stop()
                     stopping = True
@@ -218,10 +216,14 @@ class LiveRun(param.Parameterized):
             outcome = ("done", summary)
         except BaseException as exc:  # noqa: BLE001 - shown in the page, not lost on a thread
             outcome = ("failed", f"{type(exc).__name__}: {one_line(user_error_of(exc) or exc)}")
-        for event in handle.poll() if handle is not None else []:
-            if not self._closed.is_set():
-                self._events.put(event)
+        if handle is not None:
+            self._relay(handle.poll())
         self._outcome.put(outcome)
+
+    def _relay(self, events: list[dict[str, Any]]) -> None:
+        if not self._closed.is_set():  # a closed page's queue is drained by nobody
+            for event in events:
+                self._events.put(event)
 
     # -- monitor mode ----------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ class RunTable(param.Parameterized):
         self._configs: dict[str, TrainConfig] = {}
         self._points: list[dict[str, Any]] = []
         self._predicted: list[tuple[int, float]] = []
-        self._curves: dict[str, tuple[tuple[Any, ...], dict[str, list[float]]]] = {}
+        self._curves: dict[str, tuple[tuple[int, int], dict[str, list[float]]]] = {}
 
     def refresh(self) -> list[dict[str, Any]]:
         """Rescan runs_dir; returns the rows (runs without config.json are not runs yet)."""
@@ -129,19 +129,16 @@ class RunTable(param.Parameterized):
     def _curve(self, run_dir: Path, cfg: TrainConfig) -> dict[str, list[float]]:
         # Ticking one more run must not reread every ticked run's log (a long run's is tens
         # of MB): a log is read again only when it has changed since.
-        events = run_dir / EVENTS
         try:
-            stat = events.stat()
-            stamp: tuple[Any, ...] = (stat.st_mtime_ns, stat.st_size, cfg.minibatch, cfg.ranks)
+            stat = (run_dir / EVENTS).stat()
         except OSError:
-            stamp = (None,)
+            return run_curve([], cfg.minibatch * cfg.ranks)  # no log yet
+        stamp = (stat.st_mtime_ns, stat.st_size)
         cached = self._curves.get(str(run_dir))
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        curve = run_curve(read_run_events(run_dir) if stamp != (None,) else [],
-                          cfg.minibatch * cfg.ranks)
-        self._curves[str(run_dir)] = (stamp, curve)
-        return curve
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, run_curve(read_run_events(run_dir), cfg.minibatch * cfg.ranks))
+            self._curves[str(run_dir)] = cached
+        return cached[1]
 
     def communication(self) -> list[dict[str, Any]]:
         """(method, ranks, K, MB sent per rank, CV accuracy %, WER %, run) of the finished
