@@ -36,7 +36,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def real_folder(tmp_path_factory) -> Path:
+def real_folder(tmp_path_factory, shared_data) -> Path:
     """The real utterance as `real.flac` and a copy `oov.wav` whose transcript has an unknown word."""
     root = tmp_path_factory.mktemp("real")
     (root / "audio").mkdir()
@@ -49,6 +49,7 @@ def real_folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.usefixtures("shared_data")  # the real utterance is in ../shared
 def test_pocketsphinx_agrees_with_the_montreal_aligner_on_most_frames():
     samples, rate = soundfile.read(str(WAV), dtype="int16")
     assert rate == 16000
