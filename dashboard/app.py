@@ -25,6 +25,7 @@ from panel.theme import Fast  # noqa: E402
 
 from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
 from dashboard.live_view import LivePlots  # noqa: E402
+from dashboard.notebook import serve_styles_locally  # noqa: E402
 from dashboard.runs_view import RunsView  # noqa: E402
 from dashboard.scaling_view import ScalingView  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
@@ -132,6 +133,8 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = D
     inline = in_notebook() if inline is None else inline
     # Offline too: Panel's own resources, never a CDN's (the server serves them itself).
     pn.extension("tabulator", notifications=False, inline=inline)
+    if inline:
+        serve_styles_locally()  # and so are the models its callbacks make later
     dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
     if preset is not None:
         dashboard.settings.preset = preset

@@ -156,9 +156,9 @@ def _stream_text(nb) -> str:
 
 # Cells a class reruns after Run All to try another value (their markers in the source).
 CONTROL_CELLS = ("start_run(", "RerunControl(")
-# What a class does after Run All in notebook 03: the exercises' cells (set the control's
-# boxes), then Run pressed.
-PRESS_RUN = "summary_exercise = control.run()\nprint(control.status.object)"
+# What a class does after Run All in notebook 03: the exercises' cells (each shows a control set
+# for its exercise), then Run pressed under exercise 2.
+PRESS_RUN = "summary_exercise = exercise_2.run()\nprint(control.status)"
 # What notebook 03's last cell tells a class to do when done: the engines stay up after Run All.
 SHUT_DOWN = "if 'cluster' in globals():\n    cluster.shutdown()"
 
@@ -230,7 +230,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert pressed.startswith("K=2, lr 0.016: CV frame accuracy "), pressed
         assert list((tmp_path / "labavg-work").glob("runs/rerun-k2-lr0.016-*/summary.json"))
         again = reruns[1].outputs[-1]["data"]["text/plain"]  # the control cell, run again
-        assert again.startswith("RerunControl("), again
+        assert again.startswith("RerunView("), again
     _no_stderr_and_small(name, nb)
     work = tmp_path / "labavg-work"
     if name != "08-reproducing-the-paper":

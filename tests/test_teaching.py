@@ -116,40 +116,54 @@ def rerun_base(corpus, tmp_path):
 
 
 def test_the_rerun_control_refuses_bad_boxes_before_anything_starts(rerun_base, tmp_path):
+    from dashboard.rerun import RerunControl, box_errors
+
+    control = RerunControl(rerun_base, tmp_path / "runs")
+    shown = control.view()
+    assert shown.errors() == {}
+    shown.k.value, shown.lr.value = 0, -0.1
+    # every refusal at once, in the words of its box's label
+    assert shown.errors() == {"averaging.average_every": "K (minibatches between averaging rounds) must be "
+                                                         "positive; got 0",
+                              "lr": "learning rate must be positive and finite; got -0.1"}
+    assert box_errors(0, -0.1) == shown.errors()
+    with pytest.raises(UserError, match=r"K \(minibatches between averaging rounds\) must be positive; got 0"):
+        shown.run()
+    assert not (tmp_path / "runs").exists(), "nothing started"
+    shown.k.value, shown.lr.value = 3, 0.004
+    assert shown.errors() == {}
+
+
+def test_each_view_of_the_rerun_control_keeps_its_own_boxes(rerun_base, tmp_path):
     from dashboard.rerun import RerunControl
 
     control = RerunControl(rerun_base, tmp_path / "runs")
-    assert not control.button.disabled and control.k_message.object == ""
-    control.k.value = 0
-    assert control.k_message.object == "K (average every) must be positive; got 0"
-    assert control.button.disabled
-    control.lr.value = -0.1
-    assert control.lr_message.object == "learning rate must be positive and finite; got -0.1"
-    with pytest.raises(UserError, match=r"K \(average every\) must be positive; got 0"):
-        control.run()
-    assert not (tmp_path / "runs").exists(), "nothing started"
-    control.k.value, control.lr.value = 3, 0.004
-    assert not control.button.disabled and control.lr_message.object == ""
+    first, second = control.view(average_every=1), control.view(average_every=2, lr=0.016)
+    assert (first.k.value, first.lr.value) == (1, rerun_base.lr), "the second view left the first alone"
+    assert (second.k.value, second.lr.value) == (2, 0.016)
+    a, b = control.__panel__(), control.__panel__()
+    assert a is not b and not set(map(id, a.select())) & set(map(id, b.select())), \
+        "two displays share no Panel object"
 
 
 def test_the_rerun_control_trains_and_shows_each_run(rerun_base, tmp_path):
-    from dashboard.rerun import RerunControl
+    from dashboard.rerun import RerunControl, divergence_overlay, runs_table
 
     control = RerunControl(rerun_base, tmp_path / "runs")
     first = control.run()
-    second = control.run(average_every=8, lr=0.004)
+    second = control.view(average_every=8, lr=0.004).run()
     assert [label for label, _ in control.runs] == ["K=2, lr 0.008", "K=8, lr 0.004"]
     (made_second,) = (tmp_path / "runs").glob("rerun-k8-lr0.004-*")
     written = json.loads((made_second / "summary.json").read_text())
     assert written["config"]["averaging"]["average_every"] == 8 and written["config"]["lr"] == 0.004
     assert second["cv_frame_accuracy"] == written["cv_frame_accuracy"]
     assert first["config"]["averaging"]["average_every"] == 2
-    table = " ".join(control.table.object.split())  # without the padding that aligns columns
+    table = " ".join(runs_table(control.runs).split())  # without the padding that aligns columns
     assert "| K=2, lr 0.008 |" in table and "| K=8, lr 0.004 |" in table
-    curves = control.plot.object.values()
+    curves = divergence_overlay(control.runs).values()
     assert [c.label for c in curves] == ["K=2, lr 0.008", "K=8, lr 0.004"]
     assert len(curves[0]) > len(curves[1]) > 0, "K=2 averages more often than K=8"
-    assert control.status.object.startswith("K=8, lr 0.004: CV frame accuracy ")
+    assert control.status.startswith("K=8, lr 0.004: CV frame accuracy ") and not control.busy
 
 
 def test_the_shipped_yesno_run_opens_in_a_plain_clone(monkeypatch):
