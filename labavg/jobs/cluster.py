@@ -18,17 +18,25 @@ This is the client side; what runs inside the engines is labavg.jobs.engine. The
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import uuid
+import weakref
 from typing import Any
 
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
 from labavg.jobs import engine
+from labavg.jobs.cluster_guard import start_guard
 from labavg.jobs.cluster_run import ClusterRun
 from labavg.jobs.processes import pid_alive, signal_pids, wait_pids
 from labavg.base.errors import UserError
 from labavg.base.waiting import wait_until
+
+
+# The cluster this process started last in each profile: Run All again replaces it (a second
+# cluster beside the first doubled the processes, and shutdown() stopped only the second).
+_STARTED: dict[str, weakref.ref] = {}
 
 
 def mpi_launcher_config(extra_args: list[str] | None = None):
@@ -65,6 +73,7 @@ class Cluster:
         self._pids: set[int] = set()  # every process this cluster started (for shutdown checks)
         self._closed = False
         self._quiet_stop = False  # whether shutdown may hide ipyparallel's INFO lines
+        self._guard = None  # ends the cluster if this process dies without shutdown()
 
     # -- starting and attaching
 
@@ -73,6 +82,9 @@ class Cluster:
               timeout: float = 120.0, **kw) -> Cluster:
         """Start a controller and `n` MPI engines on this machine (127.0.0.1 only).
 
+        A cluster this process started earlier in the same profile is shut down first (a
+        notebook's Run All, again). The cluster ends with this process: a guard process ends
+        it when this one dies without `shutdown()` (a killed kernel).
         Extra keywords go to `ipyparallel.Cluster` (e.g. `profile_dir`, `log_level`).
         """
         import ipyparallel as ipp
@@ -81,6 +93,10 @@ class Cluster:
             raise UserError(f"number of engines must be at least 1, got {n}")
         if profile is not None:
             kw["profile"] = profile
+        key = os.path.realpath(kw["profile_dir"]) if kw.get("profile_dir") else kw.get("profile", "default")
+        earlier = _STARTED.pop(key, lambda: None)()
+        if earlier is not None:
+            earlier.shutdown()
         config = kw.pop("config", None) or mpi_launcher_config()
         ipp_cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1", config=config, **kw)
         client = ipp_cluster.start_and_connect_sync()
@@ -88,9 +104,11 @@ class Cluster:
         cluster._quiet_stop = "log_level" not in kw and "log" not in kw
         try:
             cluster._bind(n)
+            cluster._start_guard()
         except BaseException:
             cluster.shutdown()
             raise
+        _STARTED[key] = weakref.ref(cluster)
         return cluster
 
     @classmethod
@@ -263,6 +281,7 @@ class Cluster:
         wait_until(lambda: not old & set(self.client.ids), self._timeout)
         self._infos = []
         self._bind(n)
+        self._start_guard()  # the new mpiexec and engines
 
     def shutdown(self, *, grace: float = 5.0) -> None:
         """Stop engines and controller (of a cluster this object started) and close the client.
@@ -304,6 +323,17 @@ class Cluster:
         self._close_client()
         self._ipp.stop_cluster_sync()
         signal_pids([pid for pid in pids if pid_alive(pid)])
+        self._stop_guard()
+
+    def _start_guard(self) -> None:
+        self._stop_guard()
+        self._guard = start_guard(os.getpid(), self.process_ids())
+
+    def _stop_guard(self) -> None:
+        if self._guard is not None:  # nothing left to guard, or a new guard for new engines
+            self._guard.terminate()
+            self._guard.wait(10)
+            self._guard = None
 
     def _close_client(self) -> None:
         try:
