@@ -14,4 +14,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e '.[dev]'
+bash scripts/git-notebook-filter.sh
 .venv/bin/python -c "import torch, mpi4py, kaldiio; print('labavg environment ready: torch', torch.__version__)"
