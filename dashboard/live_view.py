@@ -192,6 +192,11 @@ class LivePlots(pn.viewable.Viewer):
             self._shown = True
             self._show(tuple(self.panes))
             self._settle = _SETTLE_TICKS
+        if self.live.buffers.ranks != self.ranks:
+            # A followed run's buffers take its ranks when its config.json is read, which can
+            # come after the new run was announced: following a second 4-rank run kept the
+            # 1-rank plots of the wait and failed every update, its plots empty.
+            self._rebuild = self.live.buffers.ranks
         if self._rebuild is not None:
             self._build(self._rebuild)
             self._settle = _SETTLE_TICKS

@@ -80,6 +80,16 @@ def kernel_pids(port: int) -> list[int]:
             if any(f"kernel-{i}.json" in part for i in ids for part in (p.info["cmdline"] or []))]
 
 
+def shut_down_kernels(port: int) -> None:
+    """Shut down every kernel of the server (what closing a notebook and its kernel does)."""
+    base = f"http://127.0.0.1:{port}/api/kernels"
+    with urllib.request.urlopen(f"{base}?token={TOKEN}", timeout=30) as response:
+        ids = [kernel["id"] for kernel in json.load(response)]
+    for kernel in ids:
+        request = urllib.request.Request(f"{base}/{kernel}?token={TOKEN}", method="DELETE")
+        urllib.request.urlopen(request, timeout=60).close()
+
+
 # Outputs of every code cell, from the notebook's model (JupyterLab renders long notebooks
 # lazily, so the page alone does not hold them all): errors, stderr, and text with a traceback.
 _MODEL_PROBLEMS = """() => {

@@ -659,6 +659,23 @@ def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_p
     assert not live.running and live.status.startswith("Finished:")
 
 
+def test_following_one_finished_run_then_another_fills_the_plots_of_their_ranks(finished_runs):
+    # labavg issue 41: following a second finished multi-rank run in the inline dashboard left
+    # its loss and divergence plots empty, titled "Divergence: 0 with one rank".
+    from dashboard.app import Dashboard
+
+    runs, (_, three) = finished_runs
+    dashboard = Dashboard(runs_dir=str(runs))
+    for _ in range(2):
+        assert dashboard.live.follow(three.run_dir)
+        for _ in range(12):  # the page's periodic updates
+            dashboard.tick()
+        plots = dashboard.plots
+        assert plots.ranks == 3 and plots.divergence.element.title.text == "Divergence per rank"
+        for rank, points in enumerate(three.buffers.loss.points):
+            assert len(plots.loss.sources[f"loss_r{rank}"][0].data["step"]) == len(points) > 0
+
+
 def test_event_tail_keeps_a_partial_last_line(tmp_path):
     path = tmp_path / "events.jsonl"
     tail = EventTail(path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jupyterlab import BROWSER_ARGS, CHROMIUM, LabPage, jupyter_lab, kernel_pids
+from jupyterlab import BROWSER_ARGS, CHROMIUM, LabPage, jupyter_lab, kernel_pids, shut_down_kernels
 from support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -64,14 +64,15 @@ def test_every_in_class_notebook_runs_all_in_jupyterlab_without_a_traceback_or_t
     for name in IN_CLASS:
         page = LabPage(browser, port, f"{name}.ipynb")
         started = time.monotonic()
-        page.restart_and_run_all(300)
-        took = time.monotonic() - started
-        _shot(page, f"{name[:2]}-after-run-all")
+        try:
+            page.restart_and_run_all(300)
+        finally:
+            _shot(page, f"{name[:2]}-after-run-all")
+        print(f"{name}: Restart and Run All in {time.monotonic() - started:.0f} s")
         assert page.problems() == [], name
         assert page.outside == [], f"{name} asked the network for {page.outside[:4]}"
-        print(f"{name}: Restart and Run All in {took:.0f} s")
-        page.page.evaluate("() => window.jupyterapp.commands.execute('notebook:close-and-shutdown')")
         page.page.close()
+        shut_down_kernels(port)
 
 
 @pytest.mark.timeout(900)

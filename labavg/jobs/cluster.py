@@ -99,9 +99,16 @@ class Cluster:
             earlier.shutdown()
         config = kw.pop("config", None) or mpi_launcher_config()
         ipp_cluster = ipp.Cluster(engines="mpi", n=n, controller_ip="127.0.0.1", config=config, **kw)
-        client = ipp_cluster.start_and_connect_sync()
+        quiet = "log_level" not in kw and "log" not in kw
+        if quiet:
+            # ipyparallel logs each step at INFO, to stdout in IPython ("Starting 4 engines
+            # with <class ...>" under a notebook's cell); warnings still show.
+            ipp_cluster.log.setLevel(logging.WARNING)
+        ipp_cluster.start_cluster_sync()
+        # _bind waits for the engines: no progress bar of ipyparallel's in the cell
+        client = ipp_cluster.connect_client_sync()
         cluster = cls(ipp_cluster, client, device=device, owned=True, timeout=timeout)
-        cluster._quiet_stop = "log_level" not in kw and "log" not in kw
+        cluster._quiet_stop = quiet
         try:
             cluster._bind(n)
             cluster._start_guard()
