@@ -32,6 +32,7 @@ from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
 from labavg.data.settings import DataConfig  # noqa: E402
+from labavg.jobs.index import CONFIG  # noqa: E402
 
 TITLE = "labavg · periodic model averaging"
 
@@ -116,6 +117,12 @@ class Dashboard:
         return pn.Row(sidebar, self._main(), sizing_mode="stretch_width")
 
 
+def newest_run(runs_dir: Path) -> Path | None:
+    """The run directory under `runs_dir` whose config.json was written last, if any."""
+    runs = [run for run in runs_dir.iterdir() if (run / CONFIG).is_file()] if runs_dir.is_dir() else []
+    return max(runs, key=lambda run: (run / CONFIG).stat().st_mtime, default=None)
+
+
 def in_notebook() -> bool:
     """Whether this runs in a Jupyter kernel (where the page is a cell's output)."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
@@ -138,6 +145,12 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = D
     dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
     if preset is not None:
         dashboard.settings.preset = preset
+    if inline and not dashboard.live.run_dir:
+        # A notebook's runs are not jobs of this page: its newest run is on screen rather
+        # than "Idle · No run on screen" (notebook 03's inline dashboard, below its first run).
+        newest = newest_run(Path(runs_dir))
+        if newest is not None:
+            dashboard.live.follow(newest)
     page = dashboard.inline_view() if inline else dashboard.view()
     pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
     if pn.state.curdoc is not None:

@@ -185,8 +185,10 @@ class SpeedupPlot:
             color="#d62728", size=12, marker="diamond", hooks=[self._capture])
         ticks = FixedTicker(ticks=list(SPEEDUP_TICKS))
         self.element = (bound * predicted * interval * measured).opts(
+            # top left: above the diagonal, where no speedup can be (N ranks gain at most N),
+            # so the legend never covers a point (bottom right covered the measured one)
             **_plot_opts("Speedup vs 1 worker", "ranks", "speedup (×)",
-                         legend_position="bottom_right", logx=True, logy=True,
+                         legend_position="top_left", logx=True, logy=True,
                          xlim=(0.9, 70), ylim=(0.1, 80), xticks=FixedTicker(ticks=list(PREDICTED_RANKS)),
                          yticks=ticks, yformatter=NumeralTickFormatter(format="0.[000]")))
 

@@ -77,10 +77,10 @@ def divergence_overlay(runs: list[tuple[str, dict[str, Any]]]) -> hv.Overlay:
         curves = [hv.Curve([], "step", "divergence")]
     # Options as keywords: the hv.opts.Curve builder needs hooks that importing HoloViews'
     # bokeh backend alone (load_backend, once) does not run.
-    axes = dict(width=560, height=300, logy=True, xlabel="step (minibatches per worker)",
+    axes = dict(width=720, height=300, logy=True, xlabel="step (minibatches per worker)",
                 ylabel="divergence (relative RMS)", show_grid=True)
     return hv.Overlay([curve.opts(**axes) for curve in curves]).opts(
-        title="divergence before each averaging round (rank 0)", legend_position="bottom_right")
+        title="divergence before each averaging round (rank 0)", legend_position="right")
 
 
 def runs_table(runs: list[tuple[str, dict[str, Any]]]) -> str:

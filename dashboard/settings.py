@@ -26,6 +26,7 @@ from labavg.training.config import (PRESETS, TrainConfig, check_setting, config_
                                     setting_field, setting_type, validate)
 from labavg.data.dataset import check_data_source
 from labavg.base.errors import UserError
+from labavg.base.machine import usable_cores
 from labavg.jobs.index import flatten_config
 
 BACKEND_LABELS = {"in-process workers": "inproc", "MPI engines": "mpi"}
@@ -246,8 +247,14 @@ class RunSettings(param.Parameterized):
                 # pdfs"): fit_problems below says it with this corpus's sizes, beside the box.
                 if not str(exc).startswith(MODEL_TOO_BIG):
                     found[GENERAL] = self.in_words(str(exc))
-        if not found:
-            found.update(fit_problems(self._values("x")))
+        if "data" not in found and GENERAL not in found:
+            # The boxes that are fine are checked against the corpus too, the bad ones at their
+            # defaults: every refusal at once (ranks = 1000 was flagged only after K and the
+            # learning rate were fixed).
+            keys = {self.key_of(name) for name in found}
+            values = {key: value for key, value in self._values("x").items() if key not in keys}
+            for name, problem in fit_problems(values).items():
+                found.setdefault(name, problem)
         return found
 
     def warnings_now(self) -> dict[str, str]:
@@ -262,6 +269,11 @@ class RunSettings(param.Parameterized):
                 + ("max-change clips every update, so the rate no longer sets the step (such a "
                    "run can even score best)." if clipped else
                    "plain SGD has no max-change: the updates blow up."))
+        ranks, cores = self.ranks, usable_cores()
+        if isinstance(ranks, int) and ranks > cores and "ranks" not in self.errors:
+            found["ranks"] = (f"{ranks} ranks on this machine's {cores} cores take turns: a "
+                              f"speedup of at most {cores}x here (the cost model says what N "
+                              "machines would give)")
         return found
 
     def _update_errors(self) -> None:

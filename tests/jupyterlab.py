@@ -127,7 +127,8 @@ class LabPage:
         self.page = browser.new_page(viewport={"width": 1366, "height": 768})
         self.outside: list[str] = []
         self.page.on("request", self._note)
-        self.page.goto(f"http://127.0.0.1:{port}/lab/tree/{notebook}?token={TOKEN}", timeout=120000)
+        # reset: a workspace of its own, without the notebooks opened before (and their kernels)
+        self.page.goto(f"http://127.0.0.1:{port}/lab/tree/{notebook}?reset&token={TOKEN}", timeout=120000)
         self.page.wait_for_function(
             "() => window.jupyterapp?.shell.currentWidget?.sessionContext?.session?.kernel",
             timeout=120000, polling=500)
@@ -158,6 +159,14 @@ class LabPage:
 
     def cell(self, index: int):
         return self.page.locator(f'.jp-Notebook .jp-Cell[data-windowed-list-index="{index}"]')
+
+    def unrun(self) -> list[int]:
+        """Indices of the code cells that have not run (no execution count)."""
+        return self.page.evaluate("""() => {
+            const cells = window.jupyterapp.shell.currentWidget.content.model.cells, out = [];
+            for (let i = 0; i < cells.length; i++)
+                if (cells.get(i).type === 'code' && cells.get(i).executionCount == null) out.push(i);
+            return out; }""")
 
     def problems(self) -> list[str]:
         return self.page.evaluate(_MODEL_PROBLEMS) + self.page.evaluate(_PAGE_TRACEBACKS)

@@ -111,6 +111,25 @@ def test_bad_values_are_kept_and_named_in_the_boxes_words(corpus, tmp_path):
     assert settings.errors == {"minibatch": "minibatch needs a value"}
 
 
+def test_every_refusal_is_shown_at_once_and_more_ranks_than_cores_are_warned_before_start(
+        corpus, tmp_path, monkeypatch):
+    # labavg issue 41: with K = 0, lr = -1 and ranks = 1000 the page flagged two boxes, and the
+    # ranks only once the other two were fixed; 4 ranks on 2 cores got no word before Start.
+    import dashboard.settings as dashboard_settings
+
+    monkeypatch.setattr(dashboard_settings, "usable_cores", lambda: 2)
+    settings = tiny_settings(corpus, tmp_path / "runs", backend="in-process workers")
+    settings.param.update(ranks=1000, average_every=0, lr=-1.0)
+    assert set(settings.errors) == {"ranks", "average_every", "lr"}, settings.errors
+    assert settings.errors["ranks"].startswith("ranks 1000: ")
+    settings.param.update(ranks=4, average_every=2, lr=0.008)
+    assert settings.errors == {}
+    assert settings.warnings["ranks"].startswith("4 ranks on this machine's 2 cores take turns: "
+                                                 "a speedup of at most 2x here")
+    settings.ranks = 2
+    assert "ranks" not in settings.warnings
+
+
 def test_settings_that_contradict_each_other_are_one_general_message(corpus, tmp_path):
     settings = tiny_settings(corpus, tmp_path / "runs", minibatch=4096)
     assert settings.errors == {GENERAL: "data.buffer_frames (2048) must be at least the minibatch (4096)"}
@@ -144,6 +163,20 @@ def test_in_a_notebook_the_page_is_a_plain_layout_with_its_resources_inline(corp
     page.dashboard.settings.type_text("lr", "0,01")
     page.dashboard.settings.preset = "teaching"  # a preset replaces refused text too
     assert page.dashboard.settings.errors == {}
+
+
+def test_the_inline_dashboard_shows_the_notebooks_newest_run_not_idle(finished_runs, monkeypatch):
+    # labavg issue 41: below notebook 03's first run its inline dashboard said "Idle · No run
+    # on screen": a notebook's runs are not jobs of the page (none of this process here).
+    from dashboard.app import create_app
+
+    monkeypatch.setattr("dashboard.live._LAST", [])
+    runs, (_, three) = finished_runs
+    page = create_app(runs_dir=str(runs), inline=True)
+    live = page.dashboard.live
+    assert live.run_dir == three.run_dir, "the newest run of the runs directory"
+    run_to_end(live)
+    assert live.status.startswith("Finished: ") and live.buffers.ranks == 3
 
 
 def test_a_model_or_ranks_too_big_for_this_corpus_are_refused_beside_their_box(corpus, tmp_path):

@@ -69,6 +69,7 @@ def test_every_in_class_notebook_runs_all_in_jupyterlab_without_a_traceback_or_t
         finally:
             _shot(page, f"{name[:2]}-after-run-all")
         print(f"{name}: Restart and Run All in {time.monotonic() - started:.0f} s")
+        assert page.unrun() == [], f"{name}: cells that did not run"
         assert page.problems() == [], name
         assert page.outside == [], f"{name} asked the network for {page.outside[:4]}"
         page.page.close()
@@ -81,7 +82,7 @@ def test_notebook_03_exercises_pressed_after_run_all_then_a_killed_kernel_leaves
     page = LabPage(browser, port, f"{NB03}.ipynb")
     page.restart_and_run_all(400)
     _shot(page, "03-after-run-all")
-    assert page.problems() == []
+    assert page.unrun() == [] and page.problems() == []
     # Run All showed each exercise's control with its own values, and trained neither.
     runs = root / "labavg-work" / "runs"
     assert not list(runs.glob("rerun-k1-*")) and not list(runs.glob("rerun-k2-lr0.016-*"))

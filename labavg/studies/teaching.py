@@ -77,6 +77,8 @@ class NotebookSize:
 
 # What each optimizer setting means, for labels that say what ran.
 OPTIMIZER_LABELS = {"ngsgd": "NG-SGD", "sgd": "plain SGD"}
+# One colour per optimizer in every figure, by its label (NG-SGD was blue in one plot, red in the next).
+OPTIMIZER_COLORS = {"plain SGD": "#1f77b4", "NG-SGD": "#d62728"}
 
 
 def _tiny() -> TrainConfig:
