@@ -122,11 +122,16 @@ class StreamedCurves:
                               min_width=MIN_PLOT_WIDTH, styles=dict(FLEX_ITEM))
         figure.toolbar.autohide = True  # its icons covered the title at MIN_PLOT_WIDTH
         self.sources: dict[str, list] = {}
+        self._last: dict[str, tuple[float, float]] = {}  # each curve's last point, where it goes on
         for column, label, style in curves:
-            source = ColumnDataSource({x: np.array([], dtype=float), column: np.array([], dtype=float)})
+            source = ColumnDataSource(self._empty(column))
             line = {("line_alpha" if k == "alpha" else k): v for k, v in style.items()}
-            figure.line(x, column, source=source, **line,
-                        **({"legend_label": label} if legend else {}))
+            # Segments from each point's predecessor, not a `line` glyph: a figure put on a page
+            # after it was shown came back from the browser with the Line's scalar line_color as
+            # Value(...), which bokeh refuses (bokeh/bokeh#14364); in a notebook the traceback
+            # stood above the dashboard. A segment's colour is a spec that takes a Value.
+            figure.segment(f"{x}_from", f"{column}_from", x, column, source=source, **line,
+                           **({"legend_label": label} if legend else {}))
             self.sources[column] = [source]
         if "xticks" in axis:
             figure.xaxis.ticker = axis["xticks"]
@@ -137,21 +142,32 @@ class StreamedCurves:
             figure.legend.update(**_LEGEND)
         self.element = figure
 
+    def _empty(self, column: str) -> dict[str, np.ndarray]:
+        return {name: np.array([], dtype=float) for name in (f"{self.x}_from", f"{column}_from", self.x, column)}
+
     def stream(self, rows: pd.DataFrame) -> None:
-        """Append rows (columns `self.columns`) to every curve."""
+        """Append rows (columns `self.columns`) to every curve: one segment per row, from the
+        curve's previous point (the first point of a curve: a segment of length 0)."""
+        if not len(rows):
+            return
         self.data = pd.concat([self.data, rows], ignore_index=True).iloc[-self.maxlen:]
-        xs = rows[self.x].to_numpy()
+        xs = rows[self.x].to_numpy(dtype=float)
         for column, sources in self.sources.items():
-            values = rows[column].to_numpy()
+            values = rows[column].to_numpy(dtype=float)
+            last_x, last_y = self._last.get(column, (xs[0], values[0]))
+            self._last[column] = (xs[-1], values[-1])
+            new = {f"{self.x}_from": np.concatenate([[last_x], xs[:-1]]),
+                   f"{column}_from": np.concatenate([[last_y], values[:-1]]), self.x: xs, column: values}
             for source in sources:
-                source.stream({self.x: xs, column: values}, rollover=self.maxlen)
+                source.stream(new, rollover=self.maxlen)
 
     def clear(self) -> None:
         """Empty every curve (a new run of as many ranks reuses the plots)."""
         self.data = self.data.iloc[0:0]
+        self._last = {}
         for column, sources in self.sources.items():
             for source in sources:
-                source.data = {self.x: np.array([], dtype=float), column: np.array([], dtype=float)}
+                source.data = self._empty(column)
 
 
 SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)

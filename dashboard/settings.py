@@ -251,7 +251,7 @@ class RunSettings(param.Parameterized):
             # The boxes that are fine are checked against the corpus too, the bad ones at their
             # defaults: every refusal at once (ranks = 1000 was flagged only after K and the
             # learning rate were fixed).
-            keys = {self.key_of(name) for name in found}
+            keys = {self.key_of(name) for name in found if name in CONTROLS}
             values = {key: value for key, value in self._values("x").items() if key not in keys}
             for name, problem in fit_problems(values).items():
                 found.setdefault(name, problem)
