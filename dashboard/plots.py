@@ -22,7 +22,9 @@ from bokeh.plotting import figure as bokeh_figure
 
 from dashboard.speedup import PREDICTED_RANKS, PREDICTION_NETWORK, RunSpeedup
 
-PLOT_HEIGHT = 215
+# Two rows of plots and their axis labels within a 1366 x 768 screen (215 cut the bottom
+# row's "epoch").
+PLOT_HEIGHT = 200
 # Each plot at least this wide (px), in rows that wrap: narrower (the inline dashboard beside
 # JupyterLab's file browser) three plots to a row cut their titles and axis labels.
 MIN_PLOT_WIDTH = 280

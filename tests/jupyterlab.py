@@ -29,8 +29,9 @@ BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backgr
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 TOKEN = "labavg-test"
 LOCAL = re.compile(r"^(https?|wss?)://(127\.0\.0\.1|localhost)[:/]|^(data|blob|about):")
-# JupyterLab's "get notified about Jupyter news?" prompt covers the page's corner.
-NO_NEWS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+# JupyterLab's "get notified about Jupyter news?" prompt covers the page's corner: a user
+# setting of its notification plugin answers it.
+NO_NEWS = ("@jupyterlab/apputils-extension/notification.jupyterlab-settings", {"fetchNews": "false"})
 
 
 @contextlib.contextmanager
@@ -42,7 +43,9 @@ def jupyter_lab(root: Path, env: dict[str, str] | None = None) -> Iterator[int]:
     home = root / ".lab"
     settings = home / "settings"
     settings.mkdir(parents=True, exist_ok=True)
-    (settings / "overrides.json").write_text(json.dumps(NO_NEWS))
+    news = settings / NO_NEWS[0]
+    news.parent.mkdir(parents=True, exist_ok=True)
+    news.write_text(json.dumps(NO_NEWS[1]))
     lab_env = {**os.environ, **(env or {}), "JUPYTER_CONFIG_DIR": str(home / "config"),
                "JUPYTERLAB_SETTINGS_DIR": str(settings),
                "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),

@@ -23,6 +23,8 @@ import pytest
 import nbclient  # dev dependencies: missing, the tests fail
 import nbformat
 
+from jupyterlab import BROWSER_ARGS, CHROMIUM, TOKEN, jupyter_lab
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 ORDER = [
@@ -301,10 +303,7 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert f"2 ranks: {measured['speedup_text']}" in text
 
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "tests" / "artifacts" / "notebooks"
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]
 # JupyterLab's notebook area at 1366 px with its file browser open.
 WITH_FILE_BROWSER = 1066
 
@@ -407,35 +406,6 @@ def test_exported_notebooks_read_well_at_1366_by_768(venv_kernel, tmp_path, monk
 
 
 
-def _jupyter_lab(root: Path, token: str):
-    """JupyterLab on a free localhost port serving `root`, its settings in `root`/.lab."""
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = root / ".lab"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
-    lab = subprocess.Popen([str(Path(sys.executable).with_name("jupyter")), "lab", "--no-browser",
-                            f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
-                            "--LabApp.expose_app_in_browser=True", "--allow-root"],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def listening() -> bool:
-        assert lab.poll() is None, f"jupyter lab exited with {lab.returncode}"
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    from support import wait_for
-
-    wait_for(listening, 120, "jupyter lab to listen")
-    return lab, port
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_inline_dashboard_keeps_titles_and_labels_whole_beside_the_file_browser(tmp_path):
@@ -457,13 +427,12 @@ def test_the_inline_dashboard_keeps_titles_and_labels_whole_beside_the_file_brow
         f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom dashboard.app import create_app\n"
         f"display(create_app(runs_dir={str(tmp_path / 'runs')!r}, inline=True))")]
     nbformat.write(nb, tmp_path / "dashboard.ipynb")
-    lab, port = _jupyter_lab(tmp_path, token := "labavg-test")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    try:
+    with jupyter_lab(tmp_path) as port:
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS, headless=True)
             page = browser.new_page(viewport={"width": 1366, "height": 768})
-            page.goto(f"http://127.0.0.1:{port}/lab/tree/dashboard.ipynb?token={token}", timeout=120000)
+            page.goto(f"http://127.0.0.1:{port}/lab/tree/dashboard.ipynb?token={TOKEN}", timeout=120000)
             page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=120000)
             page.locator(".jp-Notebook").wait_for(timeout=120000)
             assert page.locator(".jp-FileBrowser").first.is_visible(), "the file browser is closed"
@@ -488,9 +457,6 @@ def test_the_inline_dashboard_keeps_titles_and_labels_whole_beside_the_file_brow
             finally:
                 page.screenshot(path=str(ARTIFACTS / "03-dashboard-jupyterlab-file-browser.png"))
             browser.close()
-    finally:
-        lab.terminate()
-        lab.wait(30)
     right = output["x"] + output["width"]
     # Three 190 px plots to a row cut "Divergence: 0 with one rank" and the axis labels; at
     # MIN_PLOT_WIDTH every title and label of the dashboard's plots is whole (the screenshot).
