@@ -39,7 +39,7 @@ K_KEY = "averaging.average_every"
 # The boxes' labels; a refusal names the box in the same words.
 K_LABEL = "K (minibatches between averaging rounds)"
 LR_LABEL = "learning rate per frame (before x N)"
-BOX_WORDS = {K_KEY: "K (minibatches between averaging rounds)", "lr": "learning rate"}
+BOX_WORDS = {K_KEY: K_LABEL, "lr": "learning rate"}
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 _ERROR_STYLE = {"color": "#b00020"}
 
