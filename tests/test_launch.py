@@ -16,8 +16,10 @@ from labavg.data.settings import DataConfig
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.jobs.job_outcome import JobFailed
+from labavg.base.events import Averaged, MinibatchDone, RunFinished, RunStarted
 from labavg.jobs.launch import LAUNCH_FILE, start_run
-from labavg.jobs.index import read_events
+from labavg.jobs.run_json import RunSummary
+from labavg.jobs.index import read_events, read_run_events
 
 from test_dataset_errors import make_data_dir, small_corpus
 from test_train import small_config
@@ -25,23 +27,36 @@ from test_train import small_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _until_done(handle, timeout: float = 120.0) -> list[dict]:
-    events, deadline = [], time.monotonic() + timeout
-    while not handle.done():
-        assert time.monotonic() < deadline, "run did not end"
-        events += handle.poll()
-        time.sleep(0.05)
-    return events + handle.poll()
-
-
 def test_threads_stream_every_rank_and_return_the_summary(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "t", epochs=1)
     handle = start_run(cfg)
-    events = _until_done(handle)
-    summary = handle.wait()
-    assert summary["ranks"] == 2 and summary["stopped"] is False
-    assert {e["rank"] for e in events if e["type"] == "minibatch"} == {0, 1}
-    assert len(events) == len(read_events(tmp_path / "t"))
+    events = list(handle.events(timeout=120))
+    assert handle.done() and list(handle.events()) == []  # each event once, the last included
+    summary = handle.result()
+    assert isinstance(summary, RunSummary) and summary.ranks == 2 and summary.stopped is False
+    assert {e.rank for e in events if isinstance(e, MinibatchDone)} == {0, 1}
+    assert events == read_run_events(tmp_path / "t")
+
+
+def test_events_of_a_failed_run_end_and_result_raises_what_ended_it(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "bad", epochs=1)
+    cfg = replace(cfg, data=replace(cfg.data, data=str(tmp_path / "no-such-corpus")))
+    handle = start_run(cfg, launcher="threads")
+    assert list(handle.events(timeout=60)) == [] and handle.done()
+    with pytest.raises(UserError, match="no-such-corpus"):
+        handle.result()
+
+
+def test_events_time_out_while_the_run_goes_on(corpus, tmp_path):
+    cfg = small_config(corpus, tmp_path / "slow", epochs=40)
+    handle = start_run(cfg)
+    with pytest.raises(TimeoutError):
+        for _ in handle.events(timeout=0.5):
+            pass
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.1)
+    handle.stop()
+    assert handle.result(timeout=120).stopped is True
 
 
 def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
@@ -49,29 +64,31 @@ def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
     cfg = small_config(corpus, out, backend="mpi", epochs=3, checkpoint_every=1)
     handle = start_run(cfg)
     assert json.loads((out / LAUNCH_FILE).read_text())["config"] == to_dict(cfg)
-    events, deadline = [], time.monotonic() + 120
-    while not any(e["type"] == "average" for e in events):
-        assert time.monotonic() < deadline and not handle.done(), "no averaging round came"
-        events += handle.poll()
-        time.sleep(0.05)
-    handle.stop()
-    summary = handle.wait(120)
-    events += handle.poll()
-    per_epoch = next(e["steps_per_epoch"] for e in events if e["type"] == "run_started")
-    assert summary["stopped"] is True and summary["ranks"] == 2
-    assert summary["steps"] < 3 * per_epoch  # ended before its last epoch
-    assert {e["rank"] for e in events if e["type"] == "run_finished"} == {0, 1}
+    events = []
+    for event in handle.events(timeout=120):
+        events.append(event)
+        if isinstance(event, Averaged):
+            handle.stop()
+            break
+    assert not handle.done(), "the run ended before its first averaging round"
+    events += handle.events(timeout=120)  # the rest, to the end
+    summary = handle.result(10)
+    per_epoch = next(e.steps_per_epoch for e in events if isinstance(e, RunStarted))
+    assert summary.stopped is True and summary.ranks == 2
+    assert summary.steps < 3 * per_epoch  # ended before its last epoch
+    assert {e.rank for e in events if isinstance(e, RunFinished)} == {0, 1}
+    assert events == read_run_events(out)
     assert not (out / LAUNCH_FILE).exists() and not (out / ".stop").exists()
     # the stopped run resumes through the same seam, to its end
-    finished = start_run(cfg, resume=True).wait(300)
-    assert finished["stopped"] is False and finished["steps"] == 3 * per_epoch
+    finished = start_run(cfg, resume=True).result(300)
+    assert finished.stopped is False and finished.steps == 3 * per_epoch
 
 
 @pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_torchrun_job_trains_every_rank(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "tr", backend="torch", epochs=1)
-    summary = start_run(cfg).wait(180)
-    assert summary["ranks"] == 2 and summary["backend"] == "torch"
+    summary = start_run(cfg).result(180)
+    assert summary.ranks == 2 and summary.backend == "torch"
     ranks = {e["rank"] for e in read_events(tmp_path / "tr") if e["type"] == "run_finished"}
     assert ranks == {0, 1}
 
@@ -83,9 +100,9 @@ def test_cwd_runs_the_ranks_where_relative_paths_mean_something(corpus, tmp_path
     cfg = small_config(corpus, out, ranks=1, epochs=1)
     cfg = replace(cfg, data=replace(cfg.data, data="data/train"))
     with pytest.raises(UserError, match="data/train"):  # not from here
-        start_run(cfg).wait()
-    summary = start_run(cfg, cwd=recipe).wait(120)
-    assert summary["config"]["data"]["data"] == "data/train"
+        start_run(cfg).result()
+    summary = start_run(cfg, cwd=recipe).result(120)
+    assert summary.config.data.data == "data/train"
     assert Path.cwd() != recipe and (out / "summary.json").is_file()
 
 
@@ -119,7 +136,7 @@ def test_job_failure_is_an_exit_status(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "f", backend="mpi", inject_fault="raise@rank1:step2")
     handle = start_run(cfg)
     with pytest.raises(JobFailed) as info:
-        handle.wait(120)
+        handle.result(120)
     assert info.value.code != 0 and handle.done()
     assert not (tmp_path / "f" / LAUNCH_FILE).exists()
     # what the job said on stderr travels with the error, for a caller without a terminal
@@ -136,9 +153,7 @@ def test_an_in_process_run_leaves_torch_threads_as_they_were(corpus, tmp_path):
     try:
         cfg = small_config(corpus, tmp_path / "th", ranks=1, epochs=1, threads=1)
         handle = start_run(cfg)
-        while not handle.done():
-            time.sleep(0.01)
-        handle.wait()
+        handle.result()
         assert torch.get_num_threads() == want
     finally:
         torch.set_num_threads(before)

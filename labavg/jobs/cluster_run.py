@@ -12,6 +12,7 @@ collective, so a silent heartbeat means a dead or frozen process, not a slow ste
 
 from __future__ import annotations
 
+import collections
 import socket
 import statistics
 import threading
@@ -19,7 +20,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from labavg.base.events import Event, event_from_dict
 from labavg.base.waiting import Deadline
+from labavg.jobs.run_json import RunSummary, as_summary
 from labavg.jobs.engine import ALIVE
 from labavg.jobs.processes import pid_alive
 
@@ -55,6 +58,7 @@ class ClusterRun:
         self._missing: dict[tuple[int, int], float] = {}
         self._lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
+        self._unread: collections.deque[Event] = collections.deque()  # polled, not yet yielded
         self.latencies: list[float] = []  # seconds from event creation on its engine to poll()
         self.gaps: list[tuple[int, int]] = []  # (rank, seq) of batches that never arrived
         self.error: RunError | None = None
@@ -196,31 +200,33 @@ class ClusterRun:
                 self._error_is_echo = False
                 return
 
-    def events(self, timeout: float | None = None, *,
-               interval: float = _POLL_SECONDS) -> Iterator[dict[str, Any]]:
-        """Yield events as they arrive (polling every `interval` s) until the run ends.
-
-        Raises RunError if the run failed, TimeoutError after `timeout` seconds.
-        """
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The run's events typed (labavg.base.events) as they arrive, until the run has ended,
+        its last ones included; a failed run ends them without raising (`result` raises).
+        TimeoutError after `timeout` s. `history` keeps them as they came (with `t_arrived`)."""
         deadline = Deadline(timeout)
         while True:
             finished = self.done
-            yield from self.poll()
+            self._unread.extend(filter(None, map(event_from_dict, self.poll())))
+            while self._unread:  # one at a time: a caller that stops early loses none
+                yield self._unread.popleft()
             if finished:
-                break
+                return
             if deadline.passed():
                 raise TimeoutError(f"run {self.run_id} still going after {timeout} s")
-            time.sleep(interval)
-        if self.error is not None:
-            raise self.error
+            # The engines' data messages land in dicts the client's IO thread fills: nothing
+            # to block on, so a short sleep between looks.
+            time.sleep(_POLL_SECONDS)
 
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the run ends and return rank 0's summary; RunError names a failed rank."""
+    def result(self, timeout: float | None = None) -> RunSummary:
+        """Block until the run ends; rank 0's summary. RunError names a failed rank."""
         for _ in self.events(timeout):
             pass
         if self.killed:
             raise RunError(f"run {self.run_id} was killed", -1, None)
-        return self._final[0]["summary"]
+        if self.error is not None:
+            raise self.error
+        return as_summary(self._final[0]["summary"])
 
     def stop(self) -> None:
         """Ask every rank to stop at the next averaging point (after a checkpoint); returns at once."""

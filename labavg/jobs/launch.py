@@ -23,6 +23,7 @@ without starting and passes start_run what it built, not a validated copy.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -32,12 +33,15 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
-from labavg.base.waiting import wait_until
+from labavg.base.events import Event
+from labavg.base.waiting import Deadline, wait_until
+from labavg.jobs.run_json import RunSummary, as_summary
 from labavg.jobs.job_outcome import JobFailed, last_steps, lost_ranks, srun_lost, status_of
 from labavg.jobs.slurm import SRUN_LINE as _SRUN_LINE
 
@@ -49,6 +53,13 @@ LAUNCHERS = ("threads", "job", "engines", "slurm")
 
 class RunHandle(Protocol):
     """What every way of running a configuration gives back."""
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The run's typed events as they arrive (each once over all calls), until the run has
+        ended, its last ones included; blocks between them. TimeoutError after `timeout` s."""
+
+    def result(self, timeout: float | None = None) -> RunSummary | None:
+        """Block until the run ends; rank 0's summary. Raises what ended a failed run."""
 
     def poll(self) -> list[dict[str, Any]]:
         """The events (dicts, labavg.base.events) that arrived since the last call."""
@@ -109,6 +120,7 @@ class ThreadRun:
         self._stop = threading.Event()
         self._summary: dict[str, Any] | None = None
         self._error: BaseException | None = None
+        self._drained = False  # events() has taken the run's last event
         self._thread = threading.Thread(
             target=self._run, args=(resume, allow_pipes, progress), daemon=True,
             name=f"labavg-run-{Path(cfg.out).name}")
@@ -119,13 +131,39 @@ class ThreadRun:
 
         try:
             self._summary = run_training(self.cfg, resume=resume, progress=progress,
-                                         on_event=lambda ev: self._events.put(ev.to_dict()),
+                                         on_event=self._events.put,
                                          should_stop=self._stop.is_set, allow_pipes=allow_pipes)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result() on the caller's thread
             self._error = exc
+        finally:
+            self._events.put(_ENDED)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        deadline = Deadline(timeout)
+        while not self._drained:
+            try:
+                # Short gets, so that Ctrl-C reaches the waiting (main) thread.
+                left = deadline.left()
+                event = self._events.get(timeout=0.2 if left is None else min(0.2, left))
+            except queue.Empty:
+                if deadline.passed():
+                    raise TimeoutError(f"run {self.cfg.out} still going after {timeout} s") from None
+                continue
+            if event is _ENDED:
+                self._drained = True
+            else:
+                yield event
+
+    def result(self, timeout: float | None = None) -> RunSummary | None:
+        _join(self._thread, timeout, self.cfg.out)
+        if self._error is not None:
+            raise self._error
+        return None if self._summary is None else as_summary(self._summary)
 
     def poll(self) -> list[dict[str, Any]]:
-        return _drain(self._events)
+        new = _drain(self._events)
+        self._drained = self._drained or _ENDED in new
+        return [e.to_dict() for e in new if e is not _ENDED]
 
     def stop(self) -> None:
         self._stop.set()
@@ -134,10 +172,11 @@ class ThreadRun:
         return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        _join(self._thread, timeout, self.cfg.out)
-        if self._error is not None:
-            raise self._error
-        return self._summary
+        summary = self.result(timeout)
+        return None if summary is None else summary.to_dict()
+
+
+_ENDED = object()  # queued after a ThreadRun's last event
 
 
 def _drain(events: queue.SimpleQueue) -> list[dict[str, Any]]:
@@ -216,6 +255,7 @@ class JobRun:
         self.run_dir = Path(cfg.out) if cwd is None else Path(cwd) / cfg.out
         self.code: int | None = None
         self._tail = EventTail(self.run_dir / EVENTS)
+        self._read: collections.deque[Event] = collections.deque()  # read, not yet yielded
         self._held = contextlib.ExitStack()
         self._held.enter_context(run_dir_lock(self.run_dir))
         try:
@@ -355,6 +395,42 @@ class JobRun:
             self._proc.kill()
             self._ended.wait(grace)
 
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        from labavg.base.events import event_from_dict
+
+        deadline = Deadline(timeout)
+        while True:
+            ended = self._ended.is_set()
+            self._read.extend(filter(None, map(event_from_dict, self._tail.read())))
+            if self._read:
+                while self._read:  # one at a time: a caller that stops early loses none
+                    yield self._read.popleft()
+                continue  # more may be there at once
+            if ended:
+                return
+            if deadline.passed():
+                raise TimeoutError(f"run {self.run_dir} still going after {timeout} s")
+            # The ranks append to events.jsonl: a short wait between reads, cut short by the end.
+            left = deadline.left()
+            self._ended.wait(0.1 if left is None else min(0.1, left))
+
+    def result(self, timeout: float | None = None) -> RunSummary | None:
+        from labavg.jobs.index import SUMMARY
+        from labavg.jobs.summary import load_summary
+
+        self._wait_ended(timeout)
+        return load_summary(self.run_dir) if (self.run_dir / SUMMARY).is_file() else None
+
+    def _wait_ended(self, timeout: float | None) -> None:
+        # Short waits, so that Ctrl-C reaches the waiting (main) thread.
+        if not wait_until(self._ended.is_set, timeout, 0.2, pause=self._ended.wait):
+            raise TimeoutError(f"run {self.run_dir} still going after {timeout} s")
+        if self.code != 0:
+            # The first error a rank printed is the cause; later ones are its peers' consequences.
+            said = [self._raised] + [e.strip().removeprefix("labavg: error: ") for e in self._errors]
+            raise JobFailed(self.run_dir, self.code if self.code is not None else -1,
+                            "; ".join(filter(None, said[:2])) or None)
+
     def poll(self) -> list[dict[str, Any]]:
         return self._tail.read()
 
@@ -367,18 +443,8 @@ class JobRun:
         return self._ended.is_set()
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        from labavg.jobs.index import SUMMARY
-
-        # Short waits, so that Ctrl-C reaches the waiting (main) thread.
-        if not wait_until(self._ended.is_set, timeout, 0.2, pause=self._ended.wait):
-            raise TimeoutError(f"run {self.run_dir} still going after {timeout} s")
-        if self.code != 0:
-            # The first error a rank printed is the cause; later ones are its peers' consequences.
-            said = [self._raised] + [e.strip().removeprefix("labavg: error: ") for e in self._errors]
-            raise JobFailed(self.run_dir, self.code if self.code is not None else -1,
-                            "; ".join(filter(None, said[:2])) or None)
-        path = self.run_dir / SUMMARY
-        return json.loads(path.read_text()) if path.is_file() else None
+        summary = self.result(timeout)
+        return None if summary is None else summary.to_dict()
 
 
 # Exit statuses of a launcher ended by SIGINT or SIGTERM (130/143 from mpiexec and torchrun,
@@ -432,6 +498,15 @@ class EnginesRun:
         if self._owned:
             self.cluster.shutdown()
 
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        return self.handle.events(timeout)
+
+    def result(self, timeout: float | None = None) -> RunSummary | None:
+        try:
+            return self.handle.result(timeout)
+        finally:
+            self._release()
+
     def poll(self) -> list[dict[str, Any]]:
         return self.handle.poll()
 
@@ -442,7 +517,5 @@ class EnginesRun:
         return self.handle.done
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        try:
-            return self.handle.wait(timeout)
-        finally:
-            self._release()
+        summary = self.result(timeout)
+        return None if summary is None else summary.to_dict()
