@@ -101,6 +101,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
         # A box the chosen method or payload has no use for is greyed out, not hidden.
         for name in ("momentum", "payload_bits"):
             widgets[name].disabled = settings.key_of(name) is None
+        widgets["momentum"].name = settings.label("momentum")  # the chosen method's knob
 
     settings.param.watch(enable, ["averaging", "payload"])
     enable()

@@ -19,7 +19,7 @@ from typing import Any
 import param
 
 from dashboard.corpus_fit import fit_problems
-from labavg.averaging.registry import method_names
+from labavg.averaging.registry import method_names, methods
 from labavg.base.paths import check_directory
 from labavg.base.settings import to_dict, with_overrides
 from labavg.training.config import (PRESETS, TrainConfig, check_setting, config_from_dict,
@@ -39,9 +39,10 @@ GENERAL = ""
 _KEPT_BY_PRESETS = ("ranks", "average_every", "data")
 # What `_values` sets whatever the boxes say: never an override of a run shown in the boxes.
 _SET_BY_THE_PAGE = ("out", "backend", "tensorboard")
-# One momentum box for the method chosen: BMUF's block momentum or DiLoCo's outer momentum
-# (the same rule, [0, 1)); plain averaging has none, and the box is then not used.
-METHOD_MOMENTUM = {"bmuf": "averaging.bmuf.momentum", "diloco": "averaging.diloco.momentum"}
+# One box for the method chosen: the setting of its table that its declaration names as its
+# `knob` (labavg.averaging.registry; BMUF's block momentum, DiLoCo's outer momentum); a method
+# without one (plain averaging) leaves the box greyed out. Its label names the knob.
+METHOD_BOX = "momentum"
 # How labavg.training.config.check_model_size's refusal begins.
 MODEL_TOO_BIG = "the model does not fit in memory"
 # A per-frame learning rate above this gets a warning beside its box (Kaldi's are below 0.01).
@@ -74,6 +75,17 @@ def control(key: str, label: str, name: str | None = None) -> param.Parameter:
     return param.Number(**common)
 
 
+def method_knob(method: str | None) -> str | None:
+    """The dotted setting the method box sets for averaging method `method`, or None."""
+    declared = methods().get(method)
+    return None if declared is None else declared.knob_key()
+
+
+def knob_keys() -> list[str]:
+    """The dotted setting of every registered method's box, in registration order."""
+    return [key for m in methods().values() if (key := m.knob_key()) is not None]
+
+
 def _backend_label(backend: str) -> str:
     return next(label for label, name in BACKEND_LABELS.items() if name == backend)
 
@@ -91,7 +103,8 @@ class RunSettings(param.Parameterized):
     average_every = control("averaging.average_every", "K (average every)")
     # Named as the CLI's flag (--averaging): "method" alone says less beside the other boxes.
     averaging = control("averaging.method", "averaging method", name="averaging")
-    momentum = control("averaging.bmuf.momentum", "method momentum")
+    # Typed by the first method with a knob; checked by the chosen method's rule (`key_of`).
+    momentum = control(knob_keys()[0], "method momentum", name=METHOD_BOX)
     reduce = control("averaging.reduce", "reduce algorithm")
     payload = control("averaging.payload", "payload")
     payload_bits = control("averaging.payload_bits", "payload bits (int)")
@@ -119,6 +132,7 @@ class RunSettings(param.Parameterized):
         self._showing_run = False
         self.param.averaging.objects = list(method_names())  # methods registered since import
         self.param.watch(self._on_preset, "preset")
+        self.param.watch(self._on_method, "averaging")
         self.param.watch(lambda *_: self._update_errors(),
                          [*CONTROLS, "backend", "runs_dir", "overrides", "typed"])
         self._update_errors()
@@ -137,20 +151,29 @@ class RunSettings(param.Parameterized):
         # A preset's values replace what was typed, refused text included.
         self.param.update(**update, overrides={**self.overrides, **extra}, typed={})
 
+    def _on_method(self, event: param.parameterized.Event) -> None:
+        # A box still at the last method's default takes the new one's: a method picked
+        # without touching its box trains with its declared default.
+        if self._showing_run or METHOD_BOX in self.typed:
+            return
+        old, new = method_knob(event.old), method_knob(event.new)
+        if new is not None and self.momentum == _default(old or CONTROLS[METHOD_BOX]):
+            self.momentum = _default(new)
+
     def show_run(self, config: dict[str, Any], runs_dir: str | None = None) -> None:
         """Every box as run `config` (a config.json's dict) trained, so that Start trains what
         is on screen: the controls their values, the rest of its settings as overrides, the
         preset whose values it has (else defaults), `runs_dir` where the run was written."""
         flat = flatten_config(config)
         values: dict[str, Any] = {name: flat[key] for name, key in CONTROLS.items() if key in flat}
-        momentum = METHOD_MOMENTUM.get(flat.get(CONTROLS["averaging"]))
-        if momentum in flat:
-            values["momentum"] = flat[momentum]
+        knob = method_knob(flat.get(CONTROLS["averaging"]))
+        if knob in flat:
+            values[METHOD_BOX] = flat[knob]
         if flat.get("backend") in BACKEND_LABELS.values():
             values["backend"] = _backend_label(flat["backend"])
         if runs_dir is not None:
             values["runs_dir"] = runs_dir
-        shown = {*CONTROLS.values(), *METHOD_MOMENTUM.values(), *_SET_BY_THE_PAGE}
+        shown = {*CONTROLS.values(), *knob_keys(), *_SET_BY_THE_PAGE}
         defaults = flatten_config(to_dict(TrainConfig()))
         overrides = {k: v for k, v in flat.items()
                      if k in defaults and k not in shown and v != defaults[k]}
@@ -164,8 +187,8 @@ class RunSettings(param.Parameterized):
 
     def key_of(self, name: str) -> str | None:
         """The dotted setting control `name` sets now (None: the chosen method has no use for it)."""
-        if name == "momentum":
-            return METHOD_MOMENTUM.get(self.averaging)
+        if name == METHOD_BOX:
+            return method_knob(self.averaging)
         if name == "payload_bits" and self.payload != "int":
             return None  # only integer codes have a number of bits
         return CONTROLS[name]
@@ -179,7 +202,11 @@ class RunSettings(param.Parameterized):
         return values
 
     def label(self, name: str) -> str:
-        """What the page calls control `name` (its box's label)."""
+        """What the page calls control `name` (its box's label); the method box names the
+        chosen method's knob."""
+        key = self.key_of(name) if name == METHOD_BOX else None
+        if key is not None:
+            return f"method {key.rsplit('.', 1)[1]}"
         return self.param[name].label
 
     def type_text(self, name: str, text: str) -> None:
@@ -211,7 +238,7 @@ class RunSettings(param.Parameterized):
     def in_words(self, text: str) -> str:
         """`text` (the CLI's words) with each setting's dotted key as its box's label."""
         names = {**{key: name for name, key in CONTROLS.items()},
-                 **{key: "momentum" for key in METHOD_MOMENTUM.values()}}
+                 **{key: METHOD_BOX for key in knob_keys()}}
         # One pass, longest key first: a label put in ("final lr") is never replaced again.
         keys = "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
         return re.sub(rf"(?<![\w.])({keys})(?!\w)", lambda m: self.label(names[m[1]]), text)

@@ -20,7 +20,7 @@ from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
-from labavg.averaging.method_settings import BMUFConfig, DiLoCoConfig
+from labavg.averaging.registry import BMUFConfig, DiLoCoConfig
 from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
 from labavg.base.settings import with_overrides
 from labavg.data.dataset import open_dataset

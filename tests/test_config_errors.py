@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.registry import BMUFConfig
 from labavg.averaging.settings import HierarchyConfig
 from labavg.training.memory import MEMORY_FRACTION
 from labavg.training.config import (TrainConfig, check_model_size, config_from_dict,

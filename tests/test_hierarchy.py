@@ -22,7 +22,7 @@ from labavg.averaging.factory import make_averager
 from labavg.comm.buffers import split_members
 from labavg.comm.inproc import run_inproc
 from labavg.comm.inproc_group import tree_sum
-from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.registry import BMUFConfig
 from labavg.averaging.settings import AveragingConfig, HierarchyConfig
 from labavg.training.config import TrainConfig, validate
 from labavg.base.settings import with_overrides

@@ -30,6 +30,7 @@ class HalfAverager(Averager):
 
     method: ClassVar[str] = "half"
     settings: ClassVar[type | None] = HalfConfig
+    knob: ClassVar[str] = "share"  # the dashboard's method box
     help: ClassVar[str] = "a toy: half of each round's change"
     label: ClassVar[str] = "half (a toy)"
     short: ClassVar[str] = "Half"
@@ -127,8 +128,16 @@ def test_the_dashboard_form_offers_it(half, tmp_path):
 
     settings = RunSettings(data=str(tmp_path))
     assert "half" in settings.param.averaging.objects
+    assert settings.key_of("momentum") is None  # plain averaging: the box is greyed out
     settings.averaging = "half"
     assert "averaging" not in settings.errors
+    # The method box is its knob, with the declared default, label and rule.
+    assert settings.key_of("momentum") == "averaging.half.share"
+    assert (settings.momentum, settings.label("momentum")) == (0.5, "method share")
+    settings.momentum = 0.25
+    assert settings.build(tmp_path / "run").averaging.table("half").share == 0.25
+    settings.momentum = 2.0
+    assert settings.errors["momentum"] == "method share must be in [0, 1]; got 2.0"
 
 
 def test_labavg_info_formats_a_run_of_it(half, tmp_path, capsys):

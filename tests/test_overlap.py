@@ -22,7 +22,7 @@ from labavg.averaging.methods import ALL, Averager, BMUFAverager
 from labavg.averaging.factory import make_averager
 from labavg.comm.inproc import run_inproc
 from labavg.comm.launchers import mpiexec_command
-from labavg.averaging.method_settings import BMUFConfig
+from labavg.averaging.registry import BMUFConfig
 from labavg.averaging.settings import AveragingConfig
 from labavg.training.config import TrainConfig, validate
 from labavg.base.settings import with_overrides

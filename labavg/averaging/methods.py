@@ -56,7 +56,7 @@ from labavg.averaging.mean import AverageStats, average_parameters
 from labavg.comm.base import Communicator
 from labavg.comm.reduce import ALGORITHMS as REDUCE_ALGORITHMS
 from labavg.averaging.payload import average_changes, check as check_payload, lossy, payload_bytes
-from labavg.averaging.method_settings import BMUFConfig, DiLoCoConfig
+from labavg.averaging.registry import BMUFConfig, DiLoCoConfig
 
 # The scopes of a round (`due`): the ranks of one node, or every rank.
 NODE, ALL = "node", "all"

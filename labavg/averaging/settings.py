@@ -1,10 +1,10 @@
 """The [averaging] section: how a run's workers average, and the plan
 labavg.averaging.factory.make_averager builds the run's averager from. It holds the method and
-its own table ([averaging.bmuf], [averaging.diloco]: labavg.averaging.method_settings), K,
-what a round sends (labavg.averaging.payload), how the mean is computed (labavg.comm.reduce),
-whether it overlaps compute (labavg.averaging.overlap) and [averaging.hierarchy]
-(labavg.averaging.hierarchy). Imports no torch: the registry (labavg.averaging.registry)
-declares the methods apart from their classes."""
+its own table ([averaging.bmuf], [averaging.diloco]: declared with the method in
+labavg.averaging.registry), K, what a round sends (labavg.averaging.payload), how the mean is
+computed (labavg.comm.reduce), whether it overlaps compute (labavg.averaging.overlap) and
+[averaging.hierarchy] (labavg.averaging.hierarchy). Imports no torch: the registry declares the
+methods apart from their classes."""
 
 from __future__ import annotations
 
