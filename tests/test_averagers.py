@@ -281,7 +281,7 @@ def test_make_averager_follows_the_settings():
                                              "minibatch": 256})
         averager = make_averager(cfg.averaging, cfg.minibatch, flat, comm)
         assert isinstance(averager, BMUFAverager) and averager.eta == 0.25
-        assert averager.every == 10 and averager.due(20, False) and not averager.due(21, False)
+        assert averager.average_every == 10 and averager.due(20, False) and not averager.due(21, False)
         assert averager.due(21, True)
         cfg = with_overrides(TrainConfig(), {"averaging.method": "diloco",
                                              "averaging.diloco.outer_lr": 0.5})

@@ -333,7 +333,7 @@ def test_make_averager_wraps_only_with_a_hierarchy():
         plain = make_averager(AveragingConfig(), MINIBATCH, flat, comm)
         plan = AveragingConfig(average_every=5, hierarchy=HierarchyConfig(20, 2))
         hier = make_averager(plan, MINIBATCH, flat, comm)
-        return type(plain), type(hier), hier.node.size, hier.every, hier.every_all
+        return type(plain), type(hier), hier.node.size, hier.average_every, hier.across_nodes_every
 
     assert run_inproc(4, work) == [(Averager, HierarchicalAverager, 2, 5, 20)] * 4
 

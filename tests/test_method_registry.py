@@ -36,10 +36,10 @@ class HalfAverager(Averager):
     short: ClassVar[str] = "Half"
     keeps_global: ClassVar[bool] = True
 
-    def __init__(self, flat: torch.Tensor, comm: Any, every: int = 1, restore: bool = True,
+    def __init__(self, flat: torch.Tensor, comm: Any, average_every: int = 1, restore: bool = True,
                  config: HalfConfig | None = None, reduce: str = "allreduce",
                  **payload: Any) -> None:
-        super().__init__(flat, comm, every, restore, reduce, **payload)
+        super().__init__(flat, comm, average_every, restore, reduce, **payload)
         self.share = (config or HalfConfig()).share
 
     def update(self, global_model: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def test_the_factory_builds_the_registered_class_with_its_section(half, tmp_path
         averager = make_averager(cfg.averaging, cfg.minibatch, flat, comm)
         flat.fill_(float(comm.rank))  # what the block's minibatches made of it
         averager.round(flat)
-        return type(averager), (averager.share, averager.every), flat.clone()
+        return type(averager), (averager.share, averager.average_every), flat.clone()
 
     (kind, settings, first), (_, _, second) = run_inproc(2, work)
     assert kind is HalfAverager and settings == (0.5, 4)  # the file's share and K

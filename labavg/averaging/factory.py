@@ -1,5 +1,6 @@
-"""The one place a run's [averaging] section becomes its averager: method, payload,
-hierarchy, overlap."""
+"""The one place averagers are built: a run's [averaging] section becomes its averager
+(method, payload, hierarchy, overlap; `make_averager`), and RBM pretraining gets its plain one
+(`make_pretraining_averager`)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def make_averager(plan: AveragingConfig, minibatch: int, flat: torch.Tensor, com
     method = known[plan.method]
     section = {} if method.settings is None else {"config": plan.table()}
     averager = method.averager_class()(
-        flat, comm, plan.interval(minibatch), reduce=plan.reduce, payload=plan.payload,
-        bits=plan.payload_bits, error_feedback=plan.error_feedback, **section)
+        flat, comm, plan.effective_average_every(minibatch), reduce=plan.reduce,
+        payload=plan.payload, bits=plan.payload_bits, error_feedback=plan.error_feedback,
+        **section)
     across = plan.hierarchy.across_nodes_every
     if across == 0:
         return averager
@@ -53,3 +55,13 @@ def make_overlap_averager(plan: AveragingConfig, minibatch: int, flat: torch.Ten
     plain = dataclasses.replace(plan, overlap="none")
     averagers = [make_averager(plain, minibatch, flat[a:b], comm) for a, b in bounds]
     return OverlapAverager(averagers, bounds, comm, plan.overlap)
+
+
+def make_pretraining_averager(flat: torch.Tensor, comm: Communicator, average_every: int,
+                              reduce: str) -> RoundAverager:
+    """The averager of RBM pretraining (labavg.training.rbm): plain averaging of the fp32
+    parameters every `average_every` RBM minibatches with the run's `reduce`, whatever the
+    run's method (the outer steps of BMUF and DiLoCo are defined for the supervised model).
+    It keeps no global copy to restore: an RBM whose every rank diverged ends the run."""
+    return methods()["model"].averager_class()(flat, comm, average_every, restore=False,
+                                               reduce=reduce)

@@ -35,13 +35,15 @@ class HierarchicalAverager:
     The fallback of a node whose ranks all diverged is the node's model after the last round.
     """
 
-    def __init__(self, inner: Averager, node: Communicator, every_all: int) -> None:
-        if every_all < 1 or every_all % inner.every:
-            raise ValueError(f"the interval across nodes ({every_all}) must be a positive "
-                             f"multiple of the interval within them ({inner.every})")
-        self.inner, self.node, self.every_all = inner, node, every_all
-        self.method, self.reduce, self.every, self.comm = (
-            inner.method, inner.reduce, inner.every, inner.comm)
+    def __init__(self, inner: Averager, node: Communicator, across_nodes_every: int) -> None:
+        if across_nodes_every < 1 or across_nodes_every % inner.average_every:
+            raise ValueError(f"across_nodes_every ({across_nodes_every}) must be a positive "
+                             f"multiple of average_every ({inner.average_every})")
+        self.inner, self.node, self.across_nodes_every = inner, node, across_nodes_every
+        # Node rounds come every average_every minibatches, rounds of all ranks every
+        # across_nodes_every (averaging.average_every, averaging.hierarchy.across_nodes_every).
+        self.method, self.reduce, self.average_every, self.comm = (
+            inner.method, inner.reduce, inner.average_every, inner.comm)
         # The payload is that of the rounds across nodes; node rounds send fp32 (shared memory).
         self.payload, self.bits = inner.payload, inner.bits
         self.node_model = inner.global_model.clone() if inner.global_model is not None else None
@@ -49,9 +51,9 @@ class HierarchicalAverager:
 
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """ALL every K2-th minibatch and every epoch end, NODE every other K-th, else None."""
-        if step % self.every_all == 0 or end_of_epoch:
+        if step % self.across_nodes_every == 0 or end_of_epoch:
             return ALL
-        return NODE if step % self.every == 0 else None
+        return NODE if step % self.average_every == 0 else None
 
     def round(self, flat: torch.Tensor, stop: bool = False, scope: str = ALL) -> AverageStats:
         """One round of `scope` (the one `due` gave) on this rank's parameters, in place."""
@@ -77,7 +79,8 @@ class HierarchicalAverager:
 
     def describe(self, flat: torch.Tensor) -> AveragerInfo:
         """The method's description, with K2 and the ranks of this rank's node."""
-        return dataclasses.replace(self.inner.describe(flat), hierarchy_every=self.every_all,
+        return dataclasses.replace(self.inner.describe(flat),
+                                   hierarchy_every=self.across_nodes_every,
                                    node_ranks=self.node.size)
 
     def restart(self, flat: torch.Tensor) -> None:

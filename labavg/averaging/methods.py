@@ -65,7 +65,7 @@ NODE, ALL = "node", "all"
 class Averager:
     """Plain model averaging (the paper's): the next block starts from the average.
 
-    `every` is K, the minibatches between rounds (a round also ends every epoch). With
+    `average_every` is K, the minibatches between rounds (a round also ends every epoch). With
     `restore` the averager keeps the global model the block started from, which every rank
     takes back if all of them diverge at once; without, that case raises FloatingPointError.
     `reduce` is the algorithm that computes the mean (labavg.comm.reduce.ALGORITHMS).
@@ -78,11 +78,11 @@ class Averager:
     # labels, memory) is its declaration in labavg.averaging.registry, read without torch.
     method: ClassVar[str] = "model"
 
-    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+    def __init__(self, flat: torch.Tensor, comm: Communicator, average_every: int = 1,
                  restore: bool = True, reduce: str = "allreduce", payload: str = "fp32",
                  bits: int = 8, error_feedback: bool = True) -> None:
-        if every < 1:
-            raise ValueError(f"the averaging interval must be >= 1, got {every}")
+        if average_every < 1:
+            raise ValueError(f"average_every must be >= 1, got {average_every}")
         if reduce not in REDUCE_ALGORITHMS:
             raise ValueError(f"unknown reduce algorithm {reduce!r}; known: "
                              f"{', '.join(REDUCE_ALGORITHMS)}")
@@ -91,7 +91,7 @@ class Averager:
             raise ValueError(f"payload {payload!r} is gathered, not reduced: it cannot use "
                              f"reduce {reduce!r}")
         self.comm = comm
-        self.every = every
+        self.average_every = average_every
         self.reduce = reduce
         self.payload, self.bits = payload, bits
         self.restore = restore or self.keeps_global or lossy(payload)
@@ -121,7 +121,7 @@ class Averager:
 
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """The round after minibatch `step`: ALL every K-th and every epoch end, else None."""
-        return ALL if step % self.every == 0 or end_of_epoch else None
+        return ALL if step % self.average_every == 0 or end_of_epoch else None
 
     def round(self, flat: torch.Tensor, stop: bool = False, scope: str = ALL) -> AverageStats:
         """One averaging round on this rank's parameters `flat` (in place, every rank at once).
@@ -215,10 +215,10 @@ class BMUFAverager(Averager):
     method: ClassVar[str] = "bmuf"
     keeps_global: ClassVar[bool] = True
 
-    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+    def __init__(self, flat: torch.Tensor, comm: Communicator, average_every: int = 1,
                  restore: bool = True, config: BMUFConfig | None = None,
                  reduce: str = "allreduce", **payload: Any) -> None:
-        super().__init__(flat, comm, every, restore, reduce, **payload)
+        super().__init__(flat, comm, average_every, restore, reduce, **payload)
         config = config or BMUFConfig()
         self.eta, self.zeta, self.nesterov = config.momentum, config.block_lr, config.nesterov
         self.delta = torch.zeros_like(flat)  # Δ(t-1), the same on every rank
@@ -251,10 +251,10 @@ class DiLoCoAverager(Averager):
     method: ClassVar[str] = "diloco"
     keeps_global: ClassVar[bool] = True
 
-    def __init__(self, flat: torch.Tensor, comm: Communicator, every: int = 1,
+    def __init__(self, flat: torch.Tensor, comm: Communicator, average_every: int = 1,
                  restore: bool = True, config: DiLoCoConfig | None = None,
                  reduce: str = "allreduce", **payload: Any) -> None:
-        super().__init__(flat, comm, every, restore, reduce, **payload)
+        super().__init__(flat, comm, average_every, restore, reduce, **payload)
         config = config or DiLoCoConfig()
         self.alpha, self.mu, self.nesterov = config.outer_lr, config.momentum, config.nesterov
         self.momentum = torch.zeros_like(flat)  # m(t-1), the same on every rank

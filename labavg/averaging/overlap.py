@@ -98,7 +98,8 @@ class OverlapAverager:
             raise ValueError(f"unknown overlap {mode!r}; known: {', '.join(MODES)}")
         self.fragments, self.bounds, self.comm, self.mode = fragments, bounds, comm, mode
         first = fragments[0]
-        self.method, self.reduce, self.every = first.method, first.reduce, first.every
+        self.method, self.reduce = first.method, first.reduce
+        self.average_every = first.average_every
         # Overlapped rounds send the fp32 parameters (a compressed payload is refused).
         self.payload, self.bits = first.payload, first.bits
         self.next_fragment = 0
@@ -126,7 +127,7 @@ class OverlapAverager:
         """ALL (blocking, the whole model) at every epoch end, OVERLAP every other K-th."""
         if end_of_epoch:
             return ALL
-        return OVERLAP if step % self.every == 0 else None
+        return OVERLAP if step % self.average_every == 0 else None
 
     def round(self, flat: torch.Tensor, stop: bool = False, scope: str = OVERLAP) -> AverageStats:
         """One round on this rank's parameters `flat` (in place, every rank at once); its

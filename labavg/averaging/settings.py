@@ -119,8 +119,9 @@ class AveragingConfig:
         name = next(n for n, cls in method_sections().items() if isinstance(section, cls))
         return dataclasses.replace(self, method_settings={**self.method_settings, name: section})
 
-    def interval(self, minibatch: int) -> int:
-        """K, the minibatches between averaging rounds, for minibatches of `minibatch` frames."""
+    def effective_average_every(self, minibatch: int) -> int:
+        """K as trained, the minibatches between averaging rounds, for minibatches of
+        `minibatch` frames: average_every, or average_every_frames in minibatches."""
         if self.average_every_frames is not None:
             return max(1, round(self.average_every_frames / minibatch))
         return self.average_every
@@ -128,8 +129,8 @@ class AveragingConfig:
     def k_name(self, minibatch: int) -> str:
         """Where K comes from, for a message."""
         if self.average_every_frames is not None:
-            return (f"K = {self.interval(minibatch)} (averaging.average_every_frames = "
-                    f"{self.average_every_frames})")
+            return (f"K = {self.effective_average_every(minibatch)} "
+                    f"(averaging.average_every_frames = {self.average_every_frames})")
         return f"averaging.average_every = {self.average_every}"
 
     def problem(self, prefix: str = "") -> str | None:

@@ -115,7 +115,7 @@ class TrainConfig:
     def average_interval(self) -> int:
         """K, the minibatches between averaging rounds (averaging.average_every, or
         averaging.average_every_frames over the minibatch)."""
-        return self.averaging.interval(self.minibatch)
+        return self.averaging.effective_average_every(self.minibatch)
 
     def max_change_limits(self) -> tuple[float, float]:
         """(max_change_per_sample, max_param_change) in force: Kaldi nnet2's for NG-SGD,

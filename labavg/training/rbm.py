@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from labavg.averaging.methods import Averager
+from labavg.averaging.factory import make_pretraining_averager
 from labavg.averaging.mean import broadcast_parameters, flatten_parameters
 from labavg.comm.base import Communicator
 from labavg.training.settings import RBMConfig
@@ -298,7 +298,7 @@ def _train_rbm(
 ) -> Iterator[RBMEvent]:
     trainer = CD1Trainer(rbm, gaussian, cfg, frames_per_frame=comm.size)
     # No global copy to restore: an RBM whose every rank diverged ends the run.
-    averager = Averager(flat, comm, average_every, restore=False, reduce=reduce)
+    averager = make_pretraining_averager(flat, comm, average_every, reduce)
     generator = torch.Generator(device=device)
     # Distinct CD-1 sampling per rank and layer; the initial parameters were broadcast.
     generator.manual_seed(cfg.seed + 1_000_003 * (comm.rank + 1) + layer)
