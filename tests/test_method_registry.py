@@ -14,7 +14,8 @@ from labavg.averaging.factory import make_averager
 from labavg.averaging.methods import Averager
 from labavg.averaging.registry import methods, register, unregister
 from labavg.base.errors import UserError
-from labavg.base.settings import real, setting, to_dict, with_overrides
+from labavg.base.schema import real, setting
+from labavg.base.settings import to_dict, with_overrides
 from labavg.comm.inproc import run_inproc
 from labavg.training.config import TrainConfig, load_config, validate
 

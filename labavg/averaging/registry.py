@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from labavg.base.settings import FINITE_POSITIVE, real, setting
+from labavg.base.schema import FINITE_POSITIVE, real, setting
 
 
 @dataclass(frozen=True)

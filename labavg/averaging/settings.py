@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from labavg.averaging.registry import method_names, method_sections
-from labavg.base.settings import POSITIVE, Rule, integer, named_sections, one_of, setting
+from labavg.base.schema import POSITIVE, Rule, integer, named_sections, one_of, setting
 from labavg.comm.settings import REDUCE
 
 # What a round sends (labavg.averaging.payload, docs/averaging.md): the fp32 parameters (the paper), or

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labavg.base.settings import NONEMPTY, POSITIVE, integer, real, setting
+from labavg.base.schema import NONEMPTY, POSITIVE, integer, real, setting
 
 
 @dataclass

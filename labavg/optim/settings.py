@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labavg.base.settings import FINITE_POSITIVE, POSITIVE, integer, real, setting
+from labavg.base.schema import FINITE_POSITIVE, POSITIVE, integer, real, setting
 
 OPTIMIZERS = ("sgd", "ngsgd")
 # (max_change_per_sample, max_param_change) unless set: nnet2/3 for NG-SGD; nnet1 SGD has none.

@@ -3,8 +3,9 @@ presets and memory check.
 
 Each section is declared next to the code it configures ([model], [rbm], [newbob] in
 labavg.training.settings, [data] in labavg.data.settings, [ngsgd] in labavg.optim.settings,
-[averaging] with its [averaging.hierarchy] and each method's table in
-labavg.averaging.settings); the machinery that reads, checks and lists them is
+[averaging] with its [averaging.hierarchy] in labavg.averaging.settings, each method's table
+with its declaration in labavg.averaging.registry); the machinery that declares, checks and
+lists them is labavg.base.schema, the one that reads and writes their values
 labavg.base.settings. A TOML file holds the training keys at the top level and one table per
 section. Importing this module, or validating with it, imports no torch.
 """
@@ -22,10 +23,10 @@ from labavg.averaging.settings import MOVED_TO_AVERAGING, AveragingConfig
 from labavg.base.errors import UserError
 from labavg.base.faults import parse_fault
 from labavg.base.paths import check_directory
-from labavg.base.settings import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
-                                  check_value, field_of, first_problem, flags,
-                                  from_dict, integer, load_toml, one_of, real,
-                                  setting, type_of, with_overrides)
+from labavg.base.schema import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
+                                field_of, first_problem, flags, integer, one_of, real, setting,
+                                type_of)
+from labavg.base.settings import check_value, from_dict, load_toml, with_overrides
 from labavg.comm.settings import BACKENDS
 from labavg.data.settings import DataConfig
 from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labavg.base.settings import FINITE_POSITIVE, POSITIVE, SEED, integer, one_of, real, setting
+from labavg.base.schema import FINITE_POSITIVE, POSITIVE, SEED, integer, one_of, real, setting
 
 NONLINEARITIES = ("sigmoid", "tanh", "relu", "pnorm")
 SCHEDULES = ("exponential", "newbob")
