@@ -14,7 +14,8 @@ from dashboard.speedup import (PREDICTED_RANKS, prediction, scaling_point, speed
                                summary_costs)
 from labavg.jobs.columns import columns, csv_row
 from labavg.base.events import Averaged, EpochDone, MinibatchDone
-from labavg.jobs.index import EVENTS, differing_labels, list_runs, read_run_events, run_row
+from labavg.jobs.index import EVENTS, differing_labels, list_runs, read_run_events
+from labavg.jobs.summary import run_row
 from labavg.jobs.run_json import RunSummary
 from labavg.training.config import TrainConfig
 

@@ -27,7 +27,7 @@ from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 from labavg.studies.sweep import load_sweep, run_sweep
 from labavg.training.runner import train
 
@@ -335,7 +335,7 @@ def test_plain_settings_train_the_same_model_on_mpi_ranks(corpus, tmp_path):
     assert torch.equal(models["bmuf"][0], models["model"][0])
     assert torch.equal(models["diloco"][0], models["model"][0])
     assert not torch.equal(models["bmuf-default"][0], models["model"][0])
-    assert read_summary(tmp_path / "bmuf")["averaging"] == "bmuf"
+    assert load_summary(tmp_path / "bmuf").averaging == "bmuf"
 
 
 @pytest.mark.slow
@@ -363,16 +363,16 @@ def test_stopped_and_resumed_run_matches_uninterrupted(corpus, tmp_path, method,
     summary = run_training(full, progress=False)
     cfg = _config(corpus, tmp_path / "run", method, table)
     stopped, resumed = stopped_then_resumed(cfg)
-    assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
+    assert stopped.stopped is True and 0 < stopped.steps < summary.steps
     assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))
     assert torch.equal(final_params(tmp_path / "run", 1), final_params(tmp_path / "full", 1))
     # The summary names the method and what it sent: one float32 buffer per round.
-    assert summary["averaging"] == method
-    assert summary["bytes_per_round"] == 4 * summary["num_params"]
-    assert summary["bytes_sent"] == summary["averaging_rounds"] * summary["bytes_per_round"]
-    assert resumed["bytes_sent"] == summary["bytes_sent"]
+    assert summary.averaging == method
+    assert summary.bytes_per_round == 4 * summary.num_params
+    assert summary.bytes_sent == summary.averaging_rounds * summary.bytes_per_round
+    assert resumed.bytes_sent == summary.bytes_sent
     rounds = [e for e in read_events(tmp_path / "full") if e["type"] == "average"]
-    assert {e["bytes_sent"] for e in rounds} == {summary["bytes_per_round"]}
+    assert {e["bytes_sent"] for e in rounds} == {summary.bytes_per_round}
     info = _cli("info", str(tmp_path / "full"))
     table = " ".join(info.stdout.split())  # without the padding that aligns the columns
     assert info.returncode == 0 and "| method |" in table

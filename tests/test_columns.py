@@ -9,8 +9,8 @@ import io
 import pytest
 
 from labavg.jobs.columns import COLUMNS, csv_row, markdown_table
-from labavg.jobs.index import run_row, summary_row
-from labavg.jobs.run_json import summary_of
+from labavg.jobs.summary import run_row, summary_row
+from labavg.jobs.run_json import RunSummary
 
 SUMMARY = {"ranks": 4, "average_every": 10, "cv_frame_accuracy": 0.6512345678901234,
            "cv_loss": 1.23456789, "wall_seconds": 123.456789012, "comm_fraction": 0.1234567,
@@ -55,7 +55,7 @@ def test_cells_join_fields_and_say_dash_for_what_is_missing():
     # A 1-worker run's WER has its interval too (the quick start's first row).
     assert COLUMNS["wer_with_ci"].cell({**row, "ranks": 1}) == "12.35 (11.50-13.25)"
     assert COLUMNS["speedup_with_range"].cell(row).endswith(")")
-    running = run_row("r", summary_of(SUMMARY).config, None)
+    running = run_row("r", RunSummary.from_dict(SUMMARY).config, None)
     assert [COLUMNS[k].cell(running) for k in ("wer_with_ci", "cv_acc_pct", "speedup_range")] \
         == ["-", "-", "-"]
     assert COLUMNS["cv_loss"].cell({"cv_loss": float("nan")}) == "-"

@@ -24,7 +24,7 @@ from labavg.base.events import Message, RunFinished
 from labavg.base.faults import parse_fault
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 from labavg.training.runner import train
 
 from test_train import SMALL, _cli, final_params, small_config
@@ -85,10 +85,10 @@ def test_stop_request_stops_all_ranks_at_one_round_and_resume_finishes(corpus, t
             flag.set()
 
     summary = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
-    assert summary["stopped"] is True and summary["steps"] % 3 == 0
-    assert summary["steps"] < read_summary(tmp_path / "full")["steps"]
+    assert summary.stopped is True and summary.steps % 3 == 0
+    assert summary.steps < load_summary(tmp_path / "full").steps
     ends = [e for e in read_events(tmp_path / "run") if e["type"] == "run_finished"]
-    assert {e["step"] for e in ends} == {summary["steps"]} and len(ends) == 2
+    assert {e["step"] for e in ends} == {summary.steps} and len(ends) == 2
     (tmp_path / "run" / "summary.json").unlink()
     run_training(cfg, resume=True, progress=False)
     assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))

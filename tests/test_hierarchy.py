@@ -30,7 +30,7 @@ from labavg.data.dataset import open_dataset
 from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved
 from labavg.jobs.index import read_events
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 from labavg.training.runner import train
 
 from test_train import SMALL, final_params, small_config
@@ -239,7 +239,7 @@ def test_bmuf_run_resumed_after_a_node_round_matches_uninterrupted(corpus, tmp_p
     _until_checkpoint(cfg, 6)
     assert checkpoint.latest_step(tmp_path / "run") == (6, 4)
     saved = [checkpoint.load_rank_state(tmp_path / "run", 6, r) for r in range(4)]
-    params = [s["params"] for s in saved]
+    params = [s.params for s in saved]
     assert torch.equal(params[0], params[1]) and not torch.equal(params[0], params[2])
     # The outer step starts from the global model of the last all round, not the node's.
     assert torch.equal(saved[0]["averager"]["hierarchy_global"],
@@ -255,18 +255,18 @@ def test_events_and_summary_count_each_scope(corpus, tmp_path):
     proc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, "--out", str(out),
                 *ACROSS_6, *NODES_OF_2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = read_summary(out)
+    summary = load_summary(out)
     rounds = [e for e in read_events(out) if e["type"] == "average" and e["rank"] == 0]
-    steps = summary["steps"]
+    steps = summary.steps
     assert [(e["step"], e["scope"]) for e in rounds] == [
         (s, "all" if s % 6 == 0 or s == steps else "node")
         for s in sorted({*range(3, steps + 1, 3), steps})]
     node = [e for e in rounds if e["scope"] == "node"]
-    assert summary["node_rounds"] == len(node) and summary["all_rounds"] == len(rounds) - len(node)
-    assert summary["node_bytes_sent"] == len(node) * summary["bytes_per_round"]
-    assert summary["all_bytes_sent"] == summary["all_rounds"] * summary["bytes_per_round"]
-    assert summary["bytes_sent"] == summary["node_bytes_sent"] + summary["all_bytes_sent"]
-    assert (summary["hierarchy_every"], summary["node_ranks"]) == (6, 2)
+    assert summary.node_rounds == len(node) and summary.all_rounds == len(rounds) - len(node)
+    assert summary.node_bytes_sent == len(node) * summary.bytes_per_round
+    assert summary.all_bytes_sent == summary.all_rounds * summary.bytes_per_round
+    assert summary.bytes_sent == summary.node_bytes_sent + summary.all_bytes_sent
+    assert (summary.hierarchy_every, summary.node_ranks) == (6, 2)
 
 
 def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp_path):
@@ -277,15 +277,15 @@ def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp
                 "--averaging", "bmuf", "--payload", "int", "--payload-bits", "8",
                 *ACROSS_6, *NODES_OF_2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = read_summary(out)
-    n = summary["num_params"]
-    assert summary["payload"] == "int8"
-    assert summary["bytes_per_round"] == payload_bytes(n, "int", 8) < 4 * n
-    assert summary["node_bytes_sent"] == summary["node_rounds"] * 4 * n > 0
-    assert summary["all_bytes_sent"] == summary["all_rounds"] * summary["bytes_per_round"]
+    summary = load_summary(out)
+    n = summary.num_params
+    assert summary.payload == "int8"
+    assert summary.bytes_per_round == payload_bytes(n, "int", 8) < 4 * n
+    assert summary.node_bytes_sent == summary.node_rounds * 4 * n > 0
+    assert summary.all_bytes_sent == summary.all_rounds * summary.bytes_per_round
     params = [final_params(out, rank) for rank in range(4)]
     assert all(torch.equal(p, params[0]) for p in params)  # the last round is across all ranks
-    assert 0.0 < summary["cv_frame_accuracy"] <= 1.0
+    assert 0.0 < summary.cv_frame_accuracy <= 1.0
 
 
 # --- bad settings ---------------------------------------------------------------------------
@@ -371,8 +371,8 @@ def test_mpi_ranks_by_node_size_and_by_shared_memory(corpus, tmp_path):
     for name, flags in runs.items():
         proc = _cli(*common, *flags, "--out", str(tmp_path / name))
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    assert read_summary(tmp_path / "two-mpi")["node_ranks"] == 2
-    assert read_summary(tmp_path / "host-mpi")["node_ranks"] == 4
+    assert load_summary(tmp_path / "two-mpi").node_ranks == 2
+    assert load_summary(tmp_path / "host-mpi").node_ranks == 4
     node_rounds = {e["rank"] for e in read_events(tmp_path / "host-mpi")
                    if e["type"] == "average" and e["scope"] == "node"}
     assert node_rounds == {0, 1, 2, 3}
@@ -397,7 +397,7 @@ def test_torchrun_ranks_by_node_size_and_by_node(corpus, tmp_path):
     inproc = _cli("train", "--data", str(corpus), "--ranks", "4", *SMALL, *ACROSS_6, *NODES_OF_2,
                   "--out", str(tmp_path / "inproc"))
     assert inproc.returncode == 0, inproc.stderr[-3000:]
-    assert read_summary(tmp_path / "two")["node_ranks"] == 2
-    assert read_summary(tmp_path / "node")["node_ranks"] == 4  # torchrun's one node
+    assert load_summary(tmp_path / "two").node_ranks == 2
+    assert load_summary(tmp_path / "node").node_ranks == 4  # torchrun's one node
     torch.testing.assert_close(final_params(tmp_path / "two"), final_params(tmp_path / "inproc"),
                                rtol=1e-5, atol=1e-6)

@@ -25,7 +25,7 @@ import torch
 from labavg.base import checkpoint
 from labavg.comm.launchers import find_mpiexec
 from labavg.jobs.index import read_events
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 
 from test_train import SMALL, final_params
 
@@ -178,11 +178,11 @@ def test_mpi_hosts_across_nodes_matches_loopback_bitwise(nodes, loopback, corpus
     proc = _labavg("train", *_common(corpus), "--out", str(out), "--hosts", ",".join(nodes.hosts),
                    nodes=nodes)
     assert proc.returncode == 0, proc.stderr
-    summary = read_summary(out)
+    summary = load_summary(out)
     # The averaging crossed the emulated links: each rank sends at least half of the parameters
     # per round (n/2 in Rabenseifner's reduce-scatter, n/2 more in its allgather); shared memory
     # between the "nodes" would leave the links nearly idle.
-    least = summary["averaging_rounds"] * 4 * summary["num_params"] // 2
+    least = summary.averaging_rounds * 4 * summary.num_params // 2
     sent = [nodes.sent_bytes(i) - before[i] for i in range(2)]
     assert all(s >= least for s in sent), (sent, least)
     # Bitwise, not to rounding: with 2 ranks each averaged element is one addition (a + b, the
@@ -218,9 +218,9 @@ def test_torchrun_nnodes_2_c10d_across_nodes(nodes, loopback, corpus, tmp_path):
                 p.wait()
     logs = "\n".join((tmp_path / f"node{i}.log").read_text()[-2000:] for i in range(2))
     assert codes == [0, 0], logs
-    summary = read_summary(out)
-    assert summary["ranks"] == 2 and summary["backend"] == "torch"
-    least = summary["averaging_rounds"] * 4 * summary["num_params"] // 2  # gloo's ring: n/2 out
+    summary = load_summary(out)
+    assert summary.ranks == 2 and summary.backend == "torch"
+    least = summary.averaging_rounds * 4 * summary.num_params // 2  # gloo's ring: n/2 out
     sent = [nodes.sent_bytes(i) - before[i] for i in range(2)]
     assert all(s >= least for s in sent), (sent, least)
     assert {e["rank"] for e in read_events(out) if e["type"] == "run_finished"} == {0, 1}
@@ -346,7 +346,7 @@ def test_mpi_hierarchy_node_size_0_groups_ranks_by_host(nodes, corpus, tmp_path)
     proc = _labavg("train", *flags, "--backend", "mpi", "--out", str(out), "--hosts", hosts,
                    nodes=nodes, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_summary(out)["node_ranks"] == 2
+    assert load_summary(out).node_ranks == 2
     ref = tmp_path / "inproc"
     proc = _labavg("train", *flags, "--set", "averaging.hierarchy.node_size=2", "--out", str(ref))
     assert proc.returncode == 0, proc.stderr[-3000:]

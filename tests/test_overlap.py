@@ -301,23 +301,23 @@ def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, 
                                                      "averaging.streaming_fragments": fragments})
     # Measured here: 0.071 CV frame accuracy for none, eager and streaming (2 epochs of the
     # tiny corpus); a delayed round may cost a little, the test allows 3 points.
-    assert abs(summary["cv_frame_accuracy"] - blocking["cv_frame_accuracy"]) <= 0.03
+    assert abs(summary.cv_frame_accuracy - blocking.cv_frame_accuracy) <= 0.03
     for rank in range(1, cfg.ranks):  # every epoch ends with the same model on every rank
         assert torch.equal(final_params(tmp_path / overlap, rank), final_params(tmp_path / overlap))
     rounds = [e for e in read_events(tmp_path / overlap) if e["type"] == "average"
               and e["rank"] == 0]
-    frag = summary["fragment_bytes"]
-    assert len(frag) == fragments and sum(frag) == 4 * summary["num_params"]
+    frag = summary.fragment_bytes
+    assert len(frag) == fragments and sum(frag) == 4 * summary.num_params
     overlapped = [e for e in rounds if e["scope"] == OVERLAP]
     full = [e for e in rounds if e["scope"] == "all"]
-    assert len(full) == cfg.epochs and {e["bytes_sent"] for e in full} == {4 * summary["num_params"]}
+    assert len(full) == cfg.epochs and {e["bytes_sent"] for e in full} == {4 * summary.num_params}
     # the overlapped rounds cycle through the fragments (restarting nowhere: one count per run)
     assert [e["bytes_sent"] for e in overlapped] == [frag[i % fragments]
                                                      for i in range(len(overlapped))]
-    assert summary["overlap_bytes_sent"] == sum(e["bytes_sent"] for e in overlapped)
-    assert summary["bytes_sent"] == sum(e["bytes_sent"] for e in rounds)
-    assert isinstance(summary["comm_hidden_fraction"], float)
-    assert summary["comm_wait_seconds"] <= summary["comm_seconds"]
+    assert summary.overlap_bytes_sent == sum(e["bytes_sent"] for e in overlapped)
+    assert summary.bytes_sent == sum(e["bytes_sent"] for e in rounds)
+    assert isinstance(summary.comm_hidden_fraction, float)
+    assert summary.comm_wait_seconds <= summary.comm_seconds
 
 
 @pytest.mark.parametrize("overlap, method", [("eager", "model"), ("streaming", "bmuf")])
@@ -334,13 +334,13 @@ def test_stopped_and_resumed_overlap_run_matches_uninterrupted(corpus, tmp_path,
             flag.set()
 
     stopped = run_training(cfg, progress=False, on_event=on_event, should_stop=flag.is_set)
-    assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
+    assert stopped.stopped is True and 0 < stopped.steps < summary.steps
     (tmp_path / "run" / "summary.json").unlink()
     resumed = run_training(cfg, resume=True, progress=False)
     for rank in range(cfg.ranks):
         assert torch.equal(final_params(tmp_path / "run", rank), final_params(tmp_path / "full", rank))
-    assert resumed["bytes_sent"] == summary["bytes_sent"]
-    assert resumed["overlap_bytes_sent"] == summary["overlap_bytes_sent"]
+    assert resumed.bytes_sent == summary.bytes_sent
+    assert resumed.overlap_bytes_sent == summary.overlap_bytes_sent
 
 
 # --- settings ---------------------------------------------------------------------------------

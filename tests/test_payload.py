@@ -31,7 +31,7 @@ from labavg.averaging.payload import CHUNK, decode, encode, error_bound, payload
 from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, cli_refusal, free_port as _free_port, launch,
@@ -342,21 +342,21 @@ def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
         models[name] = [final_params(tmp_path / name, r) for r in range(3)]
         assert all(torch.equal(p, models[name][0]) for p in models[name]), name
     fp32 = summaries["fp32"]
-    assert fp32["cv_frame_accuracy"] > 0.2  # it learned: the tolerance is not all of it
-    n = fp32["num_params"]
+    assert fp32.cv_frame_accuracy > 0.2  # it learned: the tolerance is not all of it
+    n = fp32.num_params
     for payload, bits in (("fp32", 8), *FORMATS):
         name = script.fmt(payload, bits)
         s = summaries[name]
-        assert s["payload"] == name
-        assert s["bytes_per_round"] == payload_bytes(n, payload, bits)
-        assert s["bytes_sent"] == s["averaging_rounds"] * s["bytes_per_round"]
+        assert s.payload == name
+        assert s.bytes_per_round == payload_bytes(n, payload, bits)
+        assert s.bytes_sent == s.averaging_rounds * s.bytes_per_round
         rounds = [e for e in read_events(tmp_path / name) if e["type"] == "average"]
-        assert {e["bytes_sent"] for e in rounds} == {s["bytes_per_round"]}
-        assert s["cv_frame_accuracy"] >= fp32["cv_frame_accuracy"] - ACCURACY_TOLERANCE, (
-            name, {k: round(v["cv_frame_accuracy"], 4) for k, v in summaries.items()})
+        assert {e["bytes_sent"] for e in rounds} == {s.bytes_per_round}
+        assert s.cv_frame_accuracy >= fp32.cv_frame_accuracy - ACCURACY_TOLERANCE, (
+            name, {k: round(v.cv_frame_accuracy, 4) for k, v in summaries.items()})
         if name != "fp32":  # the payload really was lossy: the model differs
             assert not torch.equal(models[name][0], models["fp32"][0]), name
-    assert fp32["bytes_per_round"] == 4 * n
+    assert fp32.bytes_per_round == 4 * n
 
 
 def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
@@ -366,12 +366,12 @@ def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
     summary = run_training(full, progress=False)
     cfg = _config(corpus, tmp_path / "run", changes)
     stopped, resumed = stopped_then_resumed(cfg)
-    assert stopped["stopped"] is True and 0 < stopped["steps"] < summary["steps"]
+    assert stopped.stopped is True and 0 < stopped.steps < summary.steps
     for rank in range(2):
         assert torch.equal(final_params(tmp_path / "run", rank),
                            final_params(tmp_path / "full", rank))
-    assert resumed["bytes_sent"] == summary["bytes_sent"]
-    assert summary["bytes_per_round"] == payload_bytes(summary["num_params"], "int", 4)
+    assert resumed.bytes_sent == summary.bytes_sent
+    assert summary.bytes_per_round == payload_bytes(summary.num_params, "int", 4)
 
 
 @pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
@@ -383,11 +383,11 @@ def test_mpi_training_with_the_payload_flags(corpus, tmp_path):
         capture_output=True, text=True, timeout=300, env=_env(), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(final_params(out, 0), final_params(out, 1))
-    summary = read_summary(out)
-    assert summary["payload"] == "int4"
-    assert summary["bytes_per_round"] == payload_bytes(summary["num_params"], "int", 4)
+    summary = load_summary(out)
+    assert summary.payload == "int4"
+    assert summary.bytes_per_round == payload_bytes(summary.num_params, "int", 4)
     started = [e for e in read_events(out) if e["type"] == "run_started"]
-    assert {e["bytes_per_round"] for e in started} == {summary["bytes_per_round"]}
+    assert {e["bytes_per_round"] for e in started} == {summary.bytes_per_round}
 
 
 # --- settings -----------------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_cli_bad_payload_settings_exit_2_with_one_line(tmp_path, args, named):
 
 
 def test_payload_shows_in_rows_tables_and_sweep_columns_only_when_used():
-    from labavg.jobs.index import run_row
+    from labavg.jobs.summary import run_row
     from labavg.jobs.summary import format_table
     from labavg.studies.sweep import COLUMNS
 

@@ -34,7 +34,7 @@ from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 
 from test_train import SMALL, final_params, small_config
 from support import (child_env as _env, free_port as _free_port, launch,
@@ -257,7 +257,7 @@ def test_mpi_training_with_the_reduce_flag(corpus, tmp_path):
         capture_output=True, text=True, timeout=300, env=_env(), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(final_params(tmp_path / "ring", 0), final_params(tmp_path / "ring", 1))
-    assert read_summary(tmp_path / "ring")["reduce"] == "ring"
+    assert load_summary(tmp_path / "ring").reduce == "ring"
     started = [e for e in read_events(tmp_path / "ring") if e["type"] == "run_started"]
     assert {e["reduce"] for e in started} == {"ring"} and len(started) == 2
     info = subprocess.run([PYTHON, "-m", "labavg", "info", str(tmp_path / "ring")],

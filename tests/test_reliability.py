@@ -30,7 +30,7 @@ from labavg.jobs.index import read_events
 from labavg.jobs.processes import pid_alive as _alive
 from labavg.jobs.run_dir import run_dir_lock
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 from labavg.training.runner import train
 
 from support import wait_for
@@ -310,7 +310,7 @@ def test_resume_of_a_finished_run_is_refused_and_leaves_it_as_it_was(corpus, tmp
     proc = _cli("train", "--resume", str(out), "--no-progress")
     assert proc.returncode == 2
     assert _error_lines(proc.stderr) == [f"labavg: error: --resume: {out} has finished "
-                                         f"(step {read_summary(out)['steps']}, summary.json); "
+                                         f"(step {load_summary(out).steps}, summary.json); "
                                          "nothing to resume: start a new run with another --out "
                                          "to train more"]
     assert {p.name: p.read_bytes() for p in out.iterdir()
@@ -413,7 +413,7 @@ def test_resume_removes_orphaned_files_and_keeps_wall_time(corpus, tmp_path):
     summary = run_training(cfg, resume=True, progress=False)
     assert not any(p.exists() for p in orphans)
     assert not list(run_dir.rglob("*.tmp"))
-    assert summary["resumed"] is True and summary["wall_seconds"] > before
+    assert summary.resumed is True and summary.wall_seconds > before
 
 
 def test_torchrun_says_a_cv_data_error_once(poisoned_corpus, tmp_path):

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.jobs.index import list_runs, read_events, summary_row
+from labavg.jobs.index import list_runs, read_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.speedup import (measured_speedup, shared_bound, speedup_from_events,
                                  speedup_from_summary)
-from labavg.jobs.summary import format_table, read_summary
+from labavg.jobs.summary import format_runs, load_summary, summary_row
 from support import child_env, stopped_then_resumed
 from test_train import final_params, small_config
 
@@ -62,14 +62,14 @@ def test_pairs_leave_training_bitwise_unchanged_and_every_reader_agrees(corpus, 
     assert all(p["parallel_steps"] >= max(3, p["solo_steps"]) for p in pairs)
     ratios = sorted(2 * p["solo_step_seconds"] / p["parallel_step_seconds"] for p in pairs)
     from_events = speedup_from_events(read_events(tmp_path / "on"))
-    from_summary = speedup_from_summary(read_summary(tmp_path / "on"))
+    from_summary = speedup_from_summary(load_summary(tmp_path / "on"))
     assert from_events == from_summary
     assert (from_summary.low, from_summary.high) == (ratios[0], ratios[-1])
-    assert summary["speedup"] == from_summary.value and summary["cores"] >= 1
+    assert summary.speedup == from_summary.value and summary.cores >= 1
     row = summary_row("on", summary)
     assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == (
         from_summary.value, ratios[0], ratios[-1])
-    table = format_table([{**summary, "run": "on"}])
+    table = format_runs([("on", None, summary)])
     assert f"{from_summary.value:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})" in table
     assert f"speedup of on: {from_summary.text()}" in table
 
@@ -90,21 +90,21 @@ def test_a_one_rank_run_beside_it_is_no_baseline_any_more(corpus, tmp_path):
     (runs / "n2-again" / "summary.json").unlink()
     second = run_training(again, resume=True, progress=False)  # a resume at the end: CV only
     rows = {r.name: summary_row(r.name, r.summary) for r in list_runs(runs)}
-    assert rows["n2"]["speedup"] == first["speedup"] == speedup_from_summary(first).value
+    assert rows["n2"]["speedup"] == first.speedup == speedup_from_summary(first).value
     assert rows["n2"]["speedup"] < 3  # 1000 s over a run of seconds would be hundreds
     assert rows["n1"]["speedup"] == 1.0
-    assert second["speedup_pairs"] == first["speedup_pairs"]  # the resume kept its pairs
+    assert second.speedup_pairs == first.speedup_pairs  # the resume kept its pairs
 
 
 def test_a_stopped_run_reports_the_frames_it_trained(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "run", epochs=3)
     stopped, resumed = stopped_then_resumed(cfg, at_step=60)
-    assert stopped["stopped"] and stopped["steps"] < resumed["steps"]
-    assert stopped["speedup_pairs"], "pairs measured before the stop"
-    assert stopped["speedup"] == speedup_from_summary(stopped).value
+    assert stopped.stopped and stopped.steps < resumed.steps
+    assert stopped.speedup_pairs, "pairs measured before the stop"
+    assert stopped.speedup == speedup_from_summary(stopped).value
     # the resumed run's summary counts the pairs of both parts
-    assert resumed["speedup_pairs"][:len(stopped["speedup_pairs"])] == stopped["speedup_pairs"]
-    assert len(resumed["speedup_pairs"]) > len(stopped["speedup_pairs"])
+    assert resumed.speedup_pairs[:len(stopped.speedup_pairs)] == stopped.speedup_pairs
+    assert len(resumed.speedup_pairs) > len(stopped.speedup_pairs)
 
 
 # Both slow (fast-suite margin): the pairs of a 2-rank run are checked against the cores in the fast
@@ -126,9 +126,9 @@ def test_mpi_ranks_pinned_to_fewer_cores_cannot_pass_the_cores(corpus, tmp_path,
          "--set", "model.hidden_layers=2", "--set", "model.hidden_dim=256"],
         capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stderr
-    summary = read_summary(out)
+    summary = load_summary(out)
     s = speedup_from_summary(summary)
-    assert summary["cores"] == cores and s.bound == cores and s.pairs >= 3
+    assert summary.cores == cores and s.bound == cores and s.pairs >= 3
     assert f"{ranks} ranks on {cores} core{'s' if cores > 1 else ''}: at most {cores}x here" in s.flag
     # On idle cores the bound is the cores; under other work the ranks take a larger share of
     # them (fair sharing, labavg.jobs.speedup.shared_bound), and the flag says so.

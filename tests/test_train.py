@@ -24,7 +24,7 @@ from labavg.base.events import Averaged, CheckpointSaved, EpochDone, MinibatchDo
 from labavg.training.model import DNN, ModelConfig
 from labavg.jobs.index import read_events
 from labavg.jobs.runs import run_training
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 from labavg.training.rank import train_rank
 from labavg.training.runner import train
 
@@ -108,7 +108,7 @@ def test_resume_matches_uninterrupted_run(corpus, tmp_path):
                 break
     stream.close()
     step, _ = checkpoint.latest_step(Path(cut.out))
-    assert 0 < step < read_summary(Path(full.out))["steps"]
+    assert 0 < step < load_summary(Path(full.out)).steps
     (Path(cut.out) / "events.jsonl").touch()
     run_training(replace(cut), resume=True, progress=False)
     assert torch.equal(final_params(Path(cut.out)), final_params(Path(full.out)))
@@ -119,18 +119,18 @@ def test_run_directory_and_speedup(corpus, tmp_path):
     run_training(base, progress=False)
     par = small_config(corpus, tmp_path / "r2", ranks=2)
     summary = run_training(par, progress=False)
-    on_disk = read_summary(tmp_path / "r2")
+    on_disk = load_summary(tmp_path / "r2")
     assert summary == on_disk
     for key in ("ranks", "backend", "average_every", "optimizer", "minibatch", "epochs",
                 "frames_trained", "averaging_rounds", "cv_frame_accuracy", "cv_loss",
                 "wall_seconds", "compute_seconds", "comm_seconds"):
-        assert key in on_disk
-    assert on_disk["ranks"] == 2 and on_disk["frames_trained"] == on_disk["steps"] * 64 * 2
+        assert getattr(on_disk, key) is not None, key
+    assert on_disk.ranks == 2 and on_disk.frames_trained == on_disk.steps * 64 * 2
     # The speedup is the run's own paired measurement (tests/test_speedup.py), not the 1-rank
     # run's wall time over this one's.
-    assert on_disk["speedup_pairs"] and on_disk["speedup"] > 0
-    assert on_disk["parallel_efficiency"] == pytest.approx(on_disk["speedup"] / 2)
-    assert read_summary(tmp_path / "r1")["speedup"] == 1.0
+    assert on_disk.speedup_pairs and on_disk.speedup > 0
+    assert on_disk.parallel_efficiency == pytest.approx(on_disk.speedup / 2)
+    assert load_summary(tmp_path / "r1").speedup == 1.0
     types = {e["type"] for e in read_events(tmp_path / "r2")}
     assert {"run_started", "minibatch", "average", "epoch", "checkpoint", "run_finished"} <= types
     assert json.loads((tmp_path / "r2" / "config.json").read_text())["ranks"] == 2
@@ -247,10 +247,10 @@ def test_train_on_real_kaldi_yesno_recipe(shared_data, tmp_path):
             "--set", "tensorboard=false"]
     proc = _cli(*args, cwd=recipe)
     assert proc.returncode == 0, proc.stderr
-    summary = read_summary(tmp_path / "yes")
-    assert summary["num_pdfs"] == 11
+    summary = load_summary(tmp_path / "yes")
+    assert summary.num_pdfs == 11
     # The most frequent pdf covers 29% of the training frames; a trained net does far better.
-    assert summary["cv_frame_accuracy"] > 0.5
+    assert summary.cv_frame_accuracy > 0.5
 
 
 def test_cli_data_errors_exit_2(shared_data, tmp_path):

@@ -84,6 +84,8 @@ PAIR = "a list of two numbers"
 PAIRS = "a list of pairs of numbers"
 OBJECT = "an object"
 FLAG = "true or false"
+INTS = "a list of integers"
+NUMBERS_BY_NAME = "an object of numbers"  # each of its fields checked as NUMBER, by name
 
 
 def _is(value: Any, kind: str) -> bool:
@@ -96,10 +98,12 @@ def _is(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == FLAG:
         return isinstance(value, bool)
-    if kind == OBJECT:
+    if kind in (OBJECT, NUMBERS_BY_NAME):
         return isinstance(value, dict)
     if kind == PAIRS:
         return isinstance(value, list) and all(_is(v, PAIR) for v in value)
+    if kind == INTS:
+        return isinstance(value, list) and all(_is(v, INT) for v in value)
     return (isinstance(value, list) and len(value) == 2
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
 
@@ -112,9 +116,10 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def check_fields(values: Any, fields: dict[str, str], path: Path, what: str) -> dict[str, Any]:
+def check_fields(values: Any, fields: dict[str, str], path: Path, what: str,
+                 prefix: str = "") -> dict[str, Any]:
     """`values` if it is an object whose named fields (dotted for nested ones) have their
-    types; DamagedFile naming the file and the first bad field otherwise."""
+    types; DamagedFile naming the file and the first bad field (after `prefix`) otherwise."""
     if not isinstance(values, dict):
         raise DamagedFile(f"{path}: not a labavg {what} (JSON holding {_type_name(values)}, "
                           f"expected an object)")
@@ -122,9 +127,12 @@ def check_fields(values: Any, fields: dict[str, str], path: Path, what: str) -> 
         value: Any = values
         for part in dotted.split("."):
             value = value.get(part) if isinstance(value, dict) else None
+        if kind == NUMBERS_BY_NAME and isinstance(value, dict):
+            check_fields(value, {k: NUMBER for k in value}, path, what, f"{dotted}.")
+            continue
         if value is not None and not _is(value, kind):
             shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise DamagedFile(f"{path}: field {dotted!r} is {_type_name(value)} ({shown}), "
+            raise DamagedFile(f"{path}: field {prefix + dotted!r} is {_type_name(value)} ({shown}), "
                               f"expected {kind}")
     return values
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from labavg.jobs.job_outcome import JobFailed
     from labavg.jobs.launch import start_run
     from labavg.jobs.rank_main import run_rank, said_by_rank_0
-    from labavg.jobs.summary import format_table
+    from labavg.jobs.run_json import as_summary
+    from labavg.jobs.summary import format_runs
 
     progress = not args.no_progress
     if detect_launcher() is not None:
@@ -113,14 +113,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         except JobFailed as exc:  # its ranks have said why (or, interrupted, that it was)
             return exc.code
     if summary is not None:
-        print(format_table([{"run": cfg.out, **summary}]))
+        print(format_runs([(cfg.out, None, as_summary(summary))]))
         written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
         print(f"run directory: {cfg.out}  ({written})")
     return 0
 
 
-def _wait_interruptibly(handle) -> dict[str, Any] | None:
-    """`handle.wait()`; for a job of processes, SIGINT or SIGTERM to this process alone ends the
+def _wait_interruptibly(handle):
+    """`handle.result()`; for a job of processes, SIGINT or SIGTERM to this process alone ends the
     job as Ctrl-C to its process group does (the handle says so in one line) instead of being
     ignored (a shell starts a background job with SIGINT ignored) or ending this process
     without a word while its ranks are killed behind it."""
@@ -128,7 +128,7 @@ def _wait_interruptibly(handle) -> dict[str, Any] | None:
 
     interrupt = getattr(handle, "interrupt", None)
     if interrupt is None:  # threads of this process: Ctrl-C reaches them as before
-        return handle.wait()
+        return handle.result()
     caught: list[int] = []
 
     def on_signal(signum, frame):
@@ -137,12 +137,12 @@ def _wait_interruptibly(handle) -> dict[str, Any] | None:
 
     before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return handle.wait()
+        return handle.result()
     except KeyboardInterrupt:
         for s in before:  # a second signal must not cut the job's ending short
             signal.signal(s, signal.SIG_IGN)
         interrupt(caught[0] if caught else signal.SIGINT)
-        return handle.wait()  # raises JobFailed with the interrupted status
+        return handle.result()  # raises JobFailed with the interrupted status
     finally:
         for s, h in before.items():
             signal.signal(s, h)
@@ -241,82 +241,32 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs_under(path: str, problems: list[str]) -> list[Path]:
-    """`path` if it is a run, else every run below it (a run's own subfolders are not searched);
-    a folder that cannot be listed is added to `problems` and the search goes on."""
-    import re
-
-    from labavg.jobs.index import CONFIG, SUMMARY
-
-    top = Path(path)
-    if not top.exists():
-        raise UserError(f"{path}: no such run or directory")
-    if not top.is_dir():
-        raise UserError(f"{path}: not a run directory (a run is a directory with {CONFIG} or {SUMMARY})")
-    # Sweeps name runs ranks_1, ranks_2, ..., ranks_16: compare their numbers as numbers.
-    natural = lambda name: [(0, int(t), "") if t.isdigit() else (1, 0, t)  # noqa: E731
-                            for t in re.split(r"(\d+)", name)]
-    found, unreadable = [], []
-    on_error = lambda exc: unreadable.append(f"cannot read {exc.filename}: {exc.strerror}")  # noqa: E731
-    for here, dirs, files in os.walk(top, onerror=on_error):
-        if CONFIG in files or SUMMARY in files:
-            found.append(Path(here))
-            dirs[:] = []
-        else:
-            dirs.sort(key=natural)
-    problems += unreadable
-    if not found and not unreadable:
-        raise UserError(f"{path}: no labavg run in it or below it (no {CONFIG} or {SUMMARY})")
-    return found
-
-
-def _info_of(run_dir: Path) -> tuple[dict[str, Any], tuple[str, Any]]:
-    """A run's summary (or, started and not ended, its config) as summary.json holds it, and
-    its table row's name and RunSummary; UserError naming the file that cannot be read."""
-    from labavg.jobs.index import CONFIG, SUMMARY
-    from labavg.jobs.run_json import RunSummary, read_config_file, read_summary_file, summary_of
-    from labavg.training.config import config_from_dict
-
-    try:
-        values = read_summary_file(run_dir / SUMMARY)
-        return ({"run": str(run_dir), **values},
-                (str(run_dir), summary_of(values, str(run_dir / SUMMARY))))
-    except FileNotFoundError:  # started, not ended: its settings are known, its results not yet
-        pass
-    try:
-        config = read_config_file(run_dir / CONFIG)
-    except FileNotFoundError:
-        raise UserError(f"{run_dir / CONFIG}: missing (the run has no {SUMMARY} either)") from None
-    typed = RunSummary(config=config_from_dict(config, str(run_dir / CONFIG)))
-    return ({"run": str(run_dir), "status": "running/incomplete", "config": config},
-            (f"{run_dir} (running/incomplete)", typed))
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     from labavg.base.errors import one_line
+    from labavg.base.settings import to_dict
+    from labavg.jobs.index import list_runs
     from labavg.jobs.summary import format_runs
 
-    run_dirs, seen, problems = [], set(), []
+    records, seen, problems = [], set(), []
     for path in args.run_dirs:
-        for run_dir in _runs_under(path, problems):
-            if run_dir.resolve() not in seen:
-                seen.add(run_dir.resolve())
-                run_dirs.append(run_dir)
-    summaries, rows = [], []
-    for run_dir in run_dirs:
-        try:  # one damaged run is named; the others are still listed
-            summary, row = _info_of(run_dir)
-        except UserError as exc:
-            problems.append(str(exc))
-            continue
-        summaries.append(summary)
-        rows.append(row)
+        for record in list_runs(Path(path), problems, search=True):
+            if record.path.resolve() not in seen:
+                seen.add(record.path.resolve())
+                records.append(record)
+    # One damaged run is named (in `problems`); the others are still listed.
+    records = [r for r in records if r.damaged is None]
+    problems = list(dict.fromkeys(problems))  # a run named twice is read twice
     if args.json:
+        summaries = [{"run": str(r.path), **r.summary.to_dict()} if r.summary is not None else
+                     {"run": str(r.path), "status": "running/incomplete",
+                      "config": to_dict(r.config)} for r in records]
         # One run named by itself prints its object, as before; anything searched is a list.
-        single = len(summaries) == 1 and len(args.run_dirs) == 1 and run_dirs[0] == Path(args.run_dirs[0])
+        single = (len(summaries) == 1 and len(args.run_dirs) == 1
+                  and records[0].path == Path(args.run_dirs[0]))
         print(json.dumps(summaries[0] if single else summaries, indent=2))
-    elif rows:
-        print(format_runs(rows))
+    elif records:
+        print(format_runs([(str(r.path), None, r.summary) if r.summary is not None else
+                           (f"{r.path} (running/incomplete)", r.config, None) for r in records]))
     for problem in problems:
         print(f"labavg: error: {one_line(problem)}", file=sys.stderr)
     return 2 if problems else 0

@@ -4,9 +4,12 @@ it to a person and how a CSV writes it for a program.
 Every table of runs picks its columns from COLUMNS by key: `labavg info` (labavg.jobs.summary),
 a sweep's results.csv and results.md (labavg.studies.sweep), the reproduction's tables
 (labavg.studies.reproduction) and the dashboard's Runs table and its CSV (dashboard.runs_table).
-A column reads one field of the run row (labavg.jobs.index.run_row), or several for a cell that
-joins them (WER with its interval); a fraction is scaled to the percentage its title names, in
-the table and in the CSV alike.
+A column names where its value comes from: an attribute path on the run's summary or settings
+("summary.cv_frame_accuracy", "config.seed", labavg.jobs.run_json.RunSummary and TrainConfig),
+which the run row (labavg.jobs.index.run_row) follows, or a value the run row derives ("status",
+"ranks": the summary's, else the config's; "speedup": measured from the summary's pairs). A
+joined cell reads several of them (WER with its interval); a fraction is scaled to the
+percentage its title names, in the table and in the CSV alike.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from tabulate import tabulate
 
 Row = Mapping[str, Any]
 
+# What a column's attribute path starts at: the run's RunSummary, or its TrainConfig.
+RUN_PARTS = ("summary", "config")
+
 # A CSV holds what was measured, not float noise: a time or a rate has no more digits than this.
 CSV_SIGNIFICANT = 6
 
@@ -31,7 +37,9 @@ class Column:
     key: str  # what selects it; a CSV's header and a dashboard row's key
     title: str  # a table's heading
     unit: str = ""  # of the value in `unit`: "%", "s", "MB"; "" for counts and names
-    source: str | None = None  # the run row's field (default: `key`)
+    # An attribute path on the run ("summary.wer", "config.seed"; a number picks a list's
+    # item), or the key of a value the run row derives (default: `key`).
+    source: str | None = None
     scale: float = 1.0  # the field x scale is the value in `unit` (a fraction x 100 is a %)
     digits: int | None = None  # decimals a table shows; None: as it is (counts, names)
     general: bool = False  # shown as %g (a learning rate: 0.008, 1e-05)
@@ -41,7 +49,30 @@ class Column:
 
     @property
     def field(self) -> str:
-        return self.source or self.key
+        """The run row's key of the value: the source's last attribute (a list's item: `key`)."""
+        last = (self.source or self.key).rsplit(".", 1)[-1]
+        return self.key if last.isdigit() else last
+
+    @property
+    def path(self) -> list[str] | None:
+        """The source's attribute path on the run ("summary", "config" first); None for a
+        value the run row derives."""
+        parts = (self.source or "").split(".")
+        return parts if parts[0] in RUN_PARTS and len(parts) > 1 else None
+
+    def read(self, run: Mapping[str, Any]) -> Any:
+        """The value at the source's path on `run` (its parts by name); None where a part is."""
+        value: Any = run
+        for part in self.path or ():
+            if value is None:
+                return None
+            if isinstance(value, Mapping):
+                value = value.get(part)
+            elif part.isdigit():
+                value = value[int(part)] if int(part) < len(value) else None
+            else:
+                value = getattr(value, part)
+        return value
 
     def measure(self, row: Row) -> float | None:
         """The row's number in its unit, unrounded (what means and intervals are taken of)."""
@@ -125,25 +156,26 @@ COLUMNS: dict[str, Column] = {c.key: c for c in (
     Column("pretrain", "pretrain", align="left"),
     Column("minibatch", "minibatch"),
     Column("epochs", "epochs"),
-    Column("seed", "seed"),
+    Column("seed", "seed", source="config.seed"),
     Column("model", "model", align="left"),
-    Column("wer", "WER %", "%", digits=2),
+    Column("wer", "WER %", "%", source="summary.wer", digits=2),
     Column("wer_with_ci", "WER % (95% CI)", "%",
            join=_with_interval("wer", "wer_ci_low", "wer_ci_high", 2)),
-    Column("wer_ci_low", "WER 95% CI low", "%", digits=2),
-    Column("wer_ci_high", "WER 95% CI high", "%", digits=2),
-    Column("per", "PER %", "%", digits=2),
-    Column("cv_acc_pct", "CV acc %", "%", source="cv_frame_accuracy", scale=100, digits=2),
-    Column("cv_loss", "CV loss", digits=3),
-    Column("steps", "updates per worker", digits=0),
-    Column("averaging_rounds", "averaging rounds"),
-    Column("wall_seconds", "wall s", "s", digits=1),
-    Column("compute_seconds", "compute s", "s", digits=1),
-    Column("comm_seconds", "comm s", "s", digits=1),
-    Column("comm_pct", "comm %", "%", source="comm_fraction", scale=100, digits=1),
-    Column("bytes_sent", "bytes sent", "B"),
+    Column("wer_ci_low", "WER 95% CI low", "%", source="summary.wer_ci.0", digits=2),
+    Column("wer_ci_high", "WER 95% CI high", "%", source="summary.wer_ci.1", digits=2),
+    Column("per", "PER %", "%", source="summary.per", digits=2),
+    Column("cv_acc_pct", "CV acc %", "%", source="summary.cv_frame_accuracy", scale=100,
+           digits=2),
+    Column("cv_loss", "CV loss", source="summary.cv_loss", digits=3),
+    Column("steps", "updates per worker", source="summary.steps", digits=0),
+    Column("averaging_rounds", "averaging rounds", source="summary.averaging_rounds"),
+    Column("wall_seconds", "wall s", "s", source="summary.wall_seconds", digits=1),
+    Column("compute_seconds", "compute s", "s", source="summary.compute_seconds", digits=1),
+    Column("comm_seconds", "comm s", "s", source="summary.comm_seconds", digits=1),
+    Column("comm_pct", "comm %", "%", source="summary.comm_fraction", scale=100, digits=1),
+    Column("bytes_sent", "bytes sent", "B", source="summary.bytes_sent"),
     # Per rank, all rounds (what one rank sent; labavg.averaging.mean's bytes_sent).
-    Column("mb_sent", "MB sent", "MB", source="bytes_sent", scale=1e-6, digits=1),
+    Column("mb_sent", "MB sent", "MB", source="summary.bytes_sent", scale=1e-6, digits=1),
     Column("speedup", "speedup", digits=2),
     Column("speedup_with_range", "speedup (range)", join=_speedup_and_range),
     Column("speedup_range", "pairs' range", join=_range),

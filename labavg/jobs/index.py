@@ -4,33 +4,28 @@ the dashboard and notebooks.
     EventTail / read_events   the one reader of events.jsonl (a growing file, or a finished one);
     read_run_events           its events typed (labavg.base.events)
     read_run / list_runs      a run directory read back once, typed: its TrainConfig and its
-                              RunSummary (labavg.jobs.run_json); the runs under a directory
-    run_row                   the one projection of a run into a table row (every table's
-                              source; its columns are labavg.jobs.columns')
-
-A row's K is the effective averaging interval (`averaging.average_every_frames` turned into
-minibatches when it is set, TrainConfig.average_interval), as summary.json records it: every
-table shows the K the run trained with.
+                              RunSummary (labavg.jobs.summary.load_summary); the runs under a
+                              directory (or, searched, below it: `labavg info`)
+    differing_labels          what tells runs apart, for the dashboard's overlays
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from labavg.jobs.speedup import speedup_from_summary
 from labavg.base.errors import UserError
 from labavg.base.events import Event, event_from_dict
 from labavg.base.settings import to_dict
-from labavg.jobs.run_json import RunSummary, as_summary, read_run_config, read_run_summary
+from labavg.jobs.run_json import CONFIG, SUMMARY, RunSummary, read_run_config
+from labavg.jobs.summary import NotFinished, load_summary
 from labavg.training.config import TrainConfig
 
 EVENTS = "events.jsonl"
-SUMMARY = "summary.json"
-CONFIG = "config.json"
 
 class EventTail:
     """Reads the lines appended to an events.jsonl since the last call.
@@ -103,35 +98,53 @@ class RunRecord:
 
 
 def read_run(run_dir: Path) -> RunRecord:
-    """A run directory read back once: its config.json as a TrainConfig and its summary.json
-    as a RunSummary (None until the run has ended). UserError naming the file when its
-    config.json is missing, damaged or from an older labavg; a damaged summary.json is kept
-    in `damaged`, so that a list of runs still shows the run's settings."""
+    """A run directory read back once: its summary.json as a RunSummary (None until the run
+    has ended) and its settings (config.json, or, where that is missing or damaged, the
+    settings the summary holds). UserError naming the file when there are no settings to
+    read (the summary's damage first); a damaged summary.json is kept in `damaged`, so that
+    a list of runs still shows the run's settings."""
     run_dir = Path(run_dir)
+    summary, damaged = None, None
+    try:
+        summary = load_summary(run_dir)
+    except NotFinished:
+        pass
+    except (OSError, UserError) as exc:
+        damaged = str(exc)
     try:
         config = read_run_config(run_dir / CONFIG)
-    except FileNotFoundError:
-        raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
-    try:
-        return RunRecord(run_dir, config, read_run_summary(run_dir / SUMMARY))
-    except FileNotFoundError:
-        return RunRecord(run_dir, config, None)
-    except (OSError, UserError) as exc:
-        return RunRecord(run_dir, config, None, damaged=str(exc))
+    except (FileNotFoundError, UserError) as exc:
+        if summary is not None and summary.config is not None:
+            config = summary.config  # what the run trained with, as its summary records it
+        elif damaged is not None:
+            raise UserError(damaged) from None  # the summary's damage first, as `labavg info` reads
+        elif isinstance(exc, FileNotFoundError):
+            raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
+        else:
+            raise
+    return RunRecord(run_dir, config, summary, damaged)
 
 
-def list_runs(root: Path, problems: list[str] | None = None) -> list[RunRecord]:
+def list_runs(root: Path, problems: list[str] | None = None, *,
+              search: bool = False) -> list[RunRecord]:
     """The runs directly under `root`, by name; a directory without config.json is not a run
-    (yet). Each run that cannot be read in full (its config.json damaged or from an older
-    labavg: left out; its summary.json damaged: listed by its settings) adds one line naming
-    the file to `problems`, when given."""
+    (yet). With `search`, `root` itself when it is a run, else every run below it (a run's
+    own folders are not searched; a run is a directory with config.json or summary.json).
+    Each run that cannot be read in full (its config.json damaged or from an older labavg:
+    left out; its summary.json damaged: listed by its settings) adds one line naming the
+    file to `problems`, when given."""
     root = Path(root).expanduser()
     records = []
-    for run_dir in sorted(root.iterdir()) if root.is_dir() else []:
+    if search:
+        found = _runs_below(root, problems if problems is not None else [])
+    else:
+        found = [d for d in (sorted(root.iterdir()) if root.is_dir() else [])
+                 if (d / CONFIG).is_file()]
+    for run_dir in found:
         try:
             records.append(read_run(run_dir))
         except (OSError, UserError) as exc:
-            if problems is not None and (run_dir / CONFIG).is_file():
+            if problems is not None:
                 problems.append(str(exc))
             continue
         if problems is not None and records[-1].damaged:
@@ -139,65 +152,29 @@ def list_runs(root: Path, problems: list[str] | None = None) -> list[RunRecord]:
     return records
 
 
-def _payload_name(config: TrainConfig) -> str:
-    """What a run's rounds send, as summary.json names it: fp32, bf16, fp16, int4/8/16."""
-    payload = config.averaging.payload
-    return f"int{config.averaging.payload_bits}" if payload == "int" else payload
-
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
-
-
-def run_row(name: str, config: TrainConfig | None, summary: RunSummary | None) -> dict[str, Any]:
-    """The row every table of runs is cut from (labavg.jobs.columns): settings from the
-    config, results from the summary (its settings first: what the run trained with).
-
-    Results are None until the run has a summary; `status` is finished, stopped or
-    running/incomplete. `config` is None for a summary that does not hold one.
-    """
-    s = summary if summary is not None else RunSummary()
-    cfg = config
-    low, high = s.wer_ci or (None, None)
-    status = "running/incomplete" if summary is None else ("stopped" if s.stopped else "finished")
-    return {
-        "run": name, "status": status, "backend": _first(cfg and cfg.backend, s.backend),
-        "ranks": _first(s.ranks, cfg and cfg.ranks),
-        "average_every": _first(s.average_every, cfg and cfg.average_interval()),
-        "averaging": _first(s.averaging, cfg and cfg.averaging.method, "model"),
-        "reduce": _first(s.reduce, cfg and cfg.averaging.reduce, "allreduce"),
-        "payload": _first(s.payload, cfg and _payload_name(cfg), "fp32"),
-        "optimizer": _first(cfg and cfg.optimizer, s.optimizer),
-        "lr": _first(cfg and cfg.lr, s.lr), "schedule": _first(cfg and cfg.schedule, s.schedule),
-        "pretrain": _first(cfg and cfg.pretrain, s.pretrain),
-        "minibatch": _first(cfg and cfg.minibatch, s.minibatch),
-        "epochs": _first(cfg and cfg.epochs, s.epochs), "seed": cfg and cfg.seed,
-        "model": cfg and f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}",
-        "wer": s.wer, "wer_ci_low": low, "wer_ci_high": high, "per": s.per,
-        "cv_frame_accuracy": s.cv_frame_accuracy, "cv_loss": s.cv_loss,
-        "wall_seconds": s.wall_seconds, "compute_seconds": s.compute_seconds,
-        "comm_seconds": s.comm_seconds, "comm_fraction": s.comm_fraction,
-        "bytes_sent": s.bytes_sent, "steps": s.steps, "averaging_rounds": s.averaging_rounds,
-        **_speedup_columns(summary),
-    }
-
-
-def _speedup_columns(summary: RunSummary | None) -> dict[str, Any]:
-    """A row's speedup, as labavg.jobs.speedup reads it from the summary (None before the run
-    ends, and for a summary from before paired measurements)."""
-    speedup = speedup_from_summary(summary) if summary is not None else None
-    if speedup is None:
-        return {"speedup": None, "speedup_low": None, "speedup_high": None,
-                "parallel_efficiency": None, "speedup_flag": None, "cores": None}
-    return {"speedup": speedup.value, "speedup_low": speedup.low, "speedup_high": speedup.high,
-            "parallel_efficiency": speedup.efficiency, "speedup_flag": speedup.flag,
-            "cores": speedup.cores or None}
-
-
-def summary_row(name: str, summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
-    """`run_row` of a finished run from its summary alone (which holds its config)."""
-    summary = as_summary(summary)
-    return run_row(name, summary.config, summary)
+def _runs_below(top: Path, problems: list[str]) -> list[Path]:
+    """`top` if it is a run, else every run below it, numbers in names compared as numbers
+    (a sweep's ranks_1, ranks_2, ..., ranks_16); a folder that cannot be listed is added to
+    `problems` and the search goes on. UserError when `top` holds no run."""
+    if not top.exists():
+        raise UserError(f"{top}: no such run or directory")
+    if not top.is_dir():
+        raise UserError(f"{top}: not a run directory (a run is a directory with {CONFIG} or "
+                        f"{SUMMARY})")
+    natural = lambda name: [(0, int(t), "") if t.isdigit() else (1, 0, t)  # noqa: E731
+                            for t in re.split(r"(\d+)", name)]
+    found, unreadable = [], []
+    on_error = lambda exc: unreadable.append(f"cannot read {exc.filename}: {exc.strerror}")  # noqa: E731
+    for here, dirs, files in os.walk(top, onerror=on_error):
+        if CONFIG in files or SUMMARY in files:
+            found.append(Path(here))
+            dirs[:] = []
+        else:
+            dirs.sort(key=natural)
+    problems += unreadable
+    if not found and not unreadable:
+        raise UserError(f"{top}: no labavg run in it or below it (no {CONFIG} or {SUMMARY})")
+    return found
 
 
 def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

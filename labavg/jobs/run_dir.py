@@ -35,7 +35,8 @@ from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY
-from labavg.jobs.run_json import RunSummary, read_run_summary
+from labavg.jobs.run_json import RunSummary
+from labavg.jobs.summary import load_summary
 
 LOCK = ".lock"
 # Set by a launcher that holds the run directory's lock for its ranks (to the resolved path).
@@ -48,10 +49,10 @@ RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "
                     "tensorboard", "watchdog_seconds", "inject_fault", "speedup_pairs")
 
 
-def _summary_or_none(path: Path) -> RunSummary | None:
-    """The summary.json at `path`, or None when it is missing or not (yet) readable."""
+def _summary_or_none(run_dir: Path) -> RunSummary | None:
+    """The run's summary.json, or None when it is missing or not (yet) readable."""
     try:
-        return read_run_summary(path)
+        return load_summary(run_dir)
     except (OSError, UserError):
         return None
 
@@ -68,7 +69,7 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
         found = latest_step(run_dir)
         if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
-        summary = _summary_or_none(run_dir / SUMMARY)
+        summary = _summary_or_none(run_dir)
         if summary is not None and not summary.stopped:
             raise UserError(
                 f"--resume: {run_dir} has finished (step {summary.steps}, {SUMMARY}); "

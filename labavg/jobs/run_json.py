@@ -1,39 +1,145 @@
-"""The JSON files of a run directory (config.json, summary.json) read back as untrusted
-input (labavg.base.json_files): each field a table or a speedup formats is checked for its
-type, so a damaged run is named with its file and field instead of ending a reader of many.
+"""The JSON files of a run directory (config.json, summary.json) and RunSummary, a run's
+results declared once.
 
-RunSummary is summary.json's fields, declared once: its writer (labavg.jobs.summary.make_summary)
-builds one and writes `to_dict`, and every reader gets one back (`summary_of`), so that the
-file's writer and its readers cannot drift apart.
+RunSummary is summary.json: each field says once where its value comes from as the run ends
+(`source`: the run's TrainConfig, rank 0's RunStarted or RunFinished event, or a derivation
+of them; labavg.jobs.summary.make_summary follows it), and its annotation is the type every
+reader checks the file's value against (SUMMARY_FIELDS), so that a damaged run is named with
+its file and field instead of ending a reader of many. `to_dict` writes the file's object and
+`from_dict` reads it back; labavg.jobs.summary.load_summary is the one reader of the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.base.json_files import (FLAG, INT, NUMBER, OBJECT, PAIR, PAIRS, TEXT, check_fields,
-                                     load_json)
+from labavg.base.json_files import (FLAG, INT, INTS, NUMBER, NUMBERS_BY_NAME, OBJECT, PAIR,
+                                     PAIRS, TEXT, check_fields, load_json)
 from labavg.base.settings import to_dict
 from labavg.training.config import TrainConfig, config_from_dict
 
-# The fields each reader uses, with the type it needs; None is allowed for every one of them
-# (a run without a decode has no wer). Fields not named are kept but never formatted.
-SUMMARY_FIELDS = {
-    "ranks": INT, "average_every": INT, "steps": INT, "epochs": INT, "minibatch": INT,
-    "averaging_rounds": INT, "num_params": INT, "cores": INT, "speedup_pairs": PAIRS,
-    "load_average.start": NUMBER, "load_average.end": NUMBER,
-    "lr": NUMBER, "wall_seconds": NUMBER, "compute_seconds": NUMBER, "comm_seconds": NUMBER,
-    "comm_fraction": NUMBER, "cv_frame_accuracy": NUMBER, "cv_loss": NUMBER, "wer": NUMBER,
-    "per": NUMBER, "speedup": NUMBER, "parallel_efficiency": NUMBER, "bytes_sent": NUMBER,
-    "frames_trained": NUMBER, "baseline_wall_seconds": NUMBER, "acwt": NUMBER,
-    "wer_ci": PAIR, "per_ci": PAIR,
-    "averaging": TEXT, "reduce": TEXT, "payload": TEXT, "optimizer": TEXT, "backend": TEXT,
-    "schedule": TEXT, "stopped": FLAG, "config": OBJECT, "load_average": OBJECT,
-}
+CONFIG = "config.json"
+SUMMARY = "summary.json"
+
+
+def _from(path: str | None) -> Any:
+    """A field whose value, as the run ends, is at attribute path `path` of what ended it
+    (labavg.jobs.summary.RunEnd): "config.lr" (the run's TrainConfig), "started.size" (rank
+    0's RunStarted), "finished.step" (its RunFinished), or a derivation ("comm_fraction",
+    "speedup.low"). None: filled in after the run (the decode's fields)."""
+    return dataclasses.field(default=None, metadata={"source": path})
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """summary.json: what rank 0 writes as a run ends, in the file's order. A field is None in
+    a summary written before the field existed, and the decode's fields (wer ... decode_set)
+    until the run has decoded."""
+
+    ranks: int | None = _from("started.size")
+    backend: str | None = _from("config.backend")
+    average_every: int | None = _from("started.average_every")  # K as trained
+    averaging: str | None = _from("started.averaging")
+    reduce: str | None = _from("started.reduce")
+    payload: str | None = _from("started.payload")
+    optimizer: str | None = _from("config.optimizer")
+    pretrain: str | None = _from("config.pretrain")
+    schedule: str | None = _from("config.schedule")
+    minibatch: int | None = _from("config.minibatch")
+    epochs: int | None = _from("config.epochs")
+    lr: float | None = _from("config.lr")
+    effective_lr: float | None = _from("started.effective_lr")
+    num_params: int | None = _from("started.num_params")
+    num_pdfs: int | None = _from("started.num_pdfs")
+    frames_trained: int | None = _from("finished.frames_trained")
+    steps: int | None = _from("finished.step")
+    averaging_rounds: int | None = _from("finished.averaging_rounds")
+    cv_frame_accuracy: float | None = _from("finished.cv_frame_accuracy")
+    cv_loss: float | None = _from("finished.cv_loss")
+    wall_seconds: float | None = _from("finished.wall_seconds")
+    compute_seconds: float | None = _from("finished.compute_seconds")
+    comm_seconds: float | None = _from("finished.comm_seconds")
+    bytes_per_round: int | None = _from("started.bytes_per_round")
+    bytes_sent: int | None = _from("finished.bytes_sent")
+    hierarchy_every: int | None = _from("started.hierarchy_every")
+    node_ranks: int | None = _from("started.node_ranks")
+    node_rounds: int | None = _from("finished.node_rounds")
+    node_bytes_sent: int | None = _from("finished.node_bytes_sent")
+    all_rounds: int | None = _from("all_rounds")
+    all_bytes_sent: int | None = _from("all_bytes_sent")
+    stopped: bool | None = _from("finished.stopped")
+    comm_fraction: float | None = _from("comm_fraction")
+    overlap: str | None = _from("started.overlap")
+    fragment_bytes: list[int] | None = _from("fragment_bytes")
+    overlap_bytes_sent: int | None = _from("finished.overlap_bytes_sent")
+    comm_wait_seconds: float | None = _from("finished.wait_seconds")
+    comm_hidden_fraction: float | None = _from("comm_hidden_fraction")
+    cores: int | None = _from("started.cores")
+    load_average: dict[str, float] | None = _from("load")  # "start", "end": 1-minute loads
+    speedup_pairs: list[list[float]] | None = _from("speedup_pairs")  # (solo, parallel) s
+    config: TrainConfig | None = _from("config")
+    speedup: float | None = _from("speedup.value")
+    speedup_low: float | None = _from("speedup.low")
+    speedup_high: float | None = _from("speedup.high")
+    speedup_bound: float | None = _from("speedup.bound")
+    speedup_flag: str | None = _from("speedup.flag")
+    parallel_efficiency: float | None = _from("speedup.efficiency")
+    speedup_text: str | None = _from("speedup_text")
+    resumed: bool | None = _from("resumed")
+    wer: float | None = _from(None)
+    wer_ci: list[float] | None = _from(None)
+    per: float | None = _from(None)
+    per_ci: list[float] | None = _from(None)
+    acwt: float | None = _from(None)
+    decode_set: str | None = _from(None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json's object (the config as config.json writes it)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "summary") -> RunSummary:
+        """A RunSummary from summary.json's object (checked against SUMMARY_FIELDS by its
+        reader). Fields it does not know are left out (a newer labavg's); a config that
+        TrainConfig cannot read is a UserError naming `source`."""
+        known = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+        if known.get("config") is not None and not isinstance(known["config"], TrainConfig):
+            known["config"] = config_from_dict(known["config"], f"{source}: config")
+        return cls(**known)
+
+    @property
+    def load_at_start(self) -> float | None:
+        return (self.load_average or {}).get("start")
+
+
+def _plain(value: Any) -> Any:
+    return to_dict(value) if dataclasses.is_dataclass(value) else value
+
+
+def summary_sources() -> dict[str, str]:
+    """Each field of RunSummary known as the run ends, and the attribute path it comes from."""
+    return {f.name: f.metadata["source"] for f in dataclasses.fields(RunSummary)
+            if f.metadata["source"] is not None}
+
+
+# The type of each field of a RunSummary, as a reader checks summary.json's value of it
+# (labavg.base.json_files); None is allowed for every one (a run without a decode has no wer).
+# In this declaration a list of floats is always a (low, high) pair.
+_KINDS = {int: INT, float: NUMBER, str: TEXT, bool: FLAG, TrainConfig: OBJECT, list[int]: INTS,
+          list[float]: PAIR, list[list[float]]: PAIRS, dict[str, float]: NUMBERS_BY_NAME}
+
+
+def _kind(hint: Any) -> str:
+    [value] = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return _KINDS[value]
+
+
+SUMMARY_FIELDS = {name: _kind(hint) for name, hint in typing.get_type_hints(RunSummary).items()}
 # No "averaging": OBJECT: an older labavg's config.json has `averaging` as text, and
 # TrainConfig's refusal says where its settings went.
 CONFIG_FIELDS = {
@@ -46,122 +152,15 @@ CONFIG_FIELDS = {
 }
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """A run's config.json, checked (FileNotFoundError when missing)."""
-    return check_fields(load_json(path), CONFIG_FIELDS, path, "configuration")
-
-
-def read_summary_file(path: Path) -> dict[str, Any]:
-    """A run's summary.json, checked, its config included (FileNotFoundError when missing)."""
-    summary = check_fields(load_json(path), SUMMARY_FIELDS, path, "summary")
-    if isinstance(summary.get("config"), dict):
-        check_fields(summary, {f"config.{k}": v for k, v in CONFIG_FIELDS.items()}, path,
-                     "summary")
-    return summary
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """summary.json: what rank 0 writes as a run ends (labavg.jobs.summary.make_summary). A
-    field is None in a summary written before the field existed, and the decode's fields
-    (wer ... decode_set) until the run has decoded."""
-
-    ranks: int | None = None
-    backend: str | None = None
-    average_every: int | None = None  # K as trained (average_every_frames turned into minibatches)
-    averaging: str | None = None
-    reduce: str | None = None
-    payload: str | None = None
-    optimizer: str | None = None
-    pretrain: str | None = None
-    schedule: str | None = None
-    minibatch: int | None = None
-    epochs: int | None = None
-    lr: float | None = None
-    effective_lr: float | None = None
-    num_params: int | None = None
-    num_pdfs: int | None = None
-    frames_trained: int | None = None
-    steps: int | None = None
-    averaging_rounds: int | None = None
-    cv_frame_accuracy: float | None = None
-    cv_loss: float | None = None
-    wall_seconds: float | None = None
-    compute_seconds: float | None = None
-    comm_seconds: float | None = None
-    bytes_per_round: int | None = None
-    bytes_sent: int | None = None
-    hierarchy_every: int | None = None
-    node_ranks: int | None = None
-    node_rounds: int | None = None
-    node_bytes_sent: int | None = None
-    all_rounds: int | None = None
-    all_bytes_sent: int | None = None
-    stopped: bool | None = None
-    comm_fraction: float | None = None
-    overlap: str | None = None
-    fragment_bytes: list[int] | None = None
-    overlap_bytes_sent: int | None = None
-    comm_wait_seconds: float | None = None
-    comm_hidden_fraction: float | None = None
-    cores: int | None = None
-    load_average: dict[str, float] | None = None  # "start", "end": 1-minute load averages
-    speedup_pairs: list[list[float]] | None = None  # (solo, parallel) s per minibatch
-    config: TrainConfig | None = None
-    speedup: float | None = None
-    speedup_low: float | None = None
-    speedup_high: float | None = None
-    speedup_bound: float | None = None
-    speedup_flag: str | None = None
-    parallel_efficiency: float | None = None
-    speedup_text: str | None = None
-    resumed: bool | None = None
-    wer: float | None = None
-    wer_ci: list[float] | None = None
-    per: float | None = None
-    per_ci: list[float] | None = None
-    acwt: float | None = None
-    decode_set: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """summary.json's object (the config as config.json writes it)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["config"] = None if self.config is None else to_dict(self.config)
-        return out
-
-    @property
-    def load_at_start(self) -> float | None:
-        return (self.load_average or {}).get("start")
-
-
-SUMMARY_KEYS = frozenset(f.name for f in dataclasses.fields(RunSummary))
-
-
-def summary_of(values: Mapping[str, Any], source: str = "summary") -> RunSummary:
-    """A RunSummary from summary.json's object (checked by `read_summary_file`, or a summary
-    `run_training` returned). Fields it does not know are left out (a newer labavg's); its
-    config that TrainConfig cannot read is a UserError naming `source`."""
-    known = {k: v for k, v in values.items() if k in SUMMARY_KEYS and k != "config"}
-    config = values.get("config")
-    if config is not None:
-        known["config"] = (config if isinstance(config, TrainConfig)
-                           else config_from_dict(config, f"{source}: config"))
-    return RunSummary(**known)
-
-
 def as_summary(summary: RunSummary | Mapping[str, Any]) -> RunSummary:
     """A RunSummary of either form a summary is handed around in: typed, or summary.json's
-    object (what `run_training` returns, what a notebook or a results file holds)."""
-    return summary if isinstance(summary, RunSummary) else summary_of(summary)
-
-
-def read_run_summary(path: Path) -> RunSummary:
-    """A run's summary.json as a RunSummary; UserError naming the file when it is damaged
-    (FileNotFoundError when missing)."""
-    return summary_of(read_summary_file(path), str(path))
+    object (what a notebook or a results file holds)."""
+    return summary if isinstance(summary, RunSummary) else RunSummary.from_dict(summary)
 
 
 def read_run_config(path: Path) -> TrainConfig:
     """A run's config.json as its TrainConfig (types checked, not validated: a run directory
-    records what ran); UserError naming the file when it is damaged or from an older labavg."""
-    return config_from_dict(read_config_file(path), str(path))
+    records what ran); FileNotFoundError when missing, UserError naming the file when it is
+    damaged or from an older labavg."""
+    return config_from_dict(check_fields(load_json(path), CONFIG_FIELDS, path, "configuration"),
+                            str(path))

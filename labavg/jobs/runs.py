@@ -24,10 +24,10 @@ from labavg.base.settings import to_dict
 from labavg.base.events import (Event, MinibatchDone, RunFinished, RunStarted, SpeedupPair,
                                  event_from_dict)
 from labavg.jobs.event_log import EventLog
-from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
+from labavg.jobs.index import EVENTS, EventTail
 from labavg.jobs.run_dir import check_run_dir, run_dir_lock
-from labavg.jobs.run_json import RunSummary
-from labavg.jobs.summary import load_summary, make_summary
+from labavg.jobs.run_json import CONFIG, SUMMARY, RunSummary
+from labavg.jobs.summary import RunEnd, load_summary, make_summary
 
 
 def open_source(cfg: TrainConfig, allow_pipes: bool = False):
@@ -68,7 +68,7 @@ def run_training(
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
     allow_pipes: bool = False,
-) -> dict[str, Any] | None:
+) -> RunSummary | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
 
     At the end rank 0 writes RUN_DIR/final.pt (labavg.decode.model); with `cfg.decode_data` it
@@ -97,7 +97,7 @@ def run_training(
 
 def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: bool,
              on_event: Callable[[Event], None] | None, progress: bool,
-             opened: dict[str, Any]) -> dict[str, Any] | None:
+             opened: dict[str, Any]) -> RunSummary | None:
     """Write the run directory from the trainer's events; rank 0's summary (and final.pt)."""
     logs: dict[int, EventLog] = {}
     started: dict[int, RunStarted] = {}
@@ -126,8 +126,8 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, SpeedupPair):
                 pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
             elif isinstance(event, RunFinished) and event.rank == 0:
-                summary = make_summary(cfg, started[0], event, pairs,
-                                       {"start": load_start, "end": os.getloadavg()[0]}, resume)
+                load = {"start": load_start, "end": os.getloadavg()[0]}
+                summary = make_summary(RunEnd(cfg, started[0], event, pairs, load, resume))
                 _write_summary(run_dir, summary)
     except Exception as exc:
         _throw_into(events, exc)
@@ -151,7 +151,7 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
         summary = replace(summary, **export_and_decode(run_dir, cfg, opened["source"],
                                                        cfg.decode_data))
         _write_summary(run_dir, summary)
-    return None if summary is None else summary.to_dict()
+    return summary
 
 
 def _write_summary(run_dir: Path, summary: RunSummary) -> None:
@@ -190,7 +190,7 @@ def decode_pending(run_dir: Path) -> bool:
         and summary.wer is None
 
 
-def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]:
+def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> RunSummary:
     """Export and decode a finished run whose decode was cut short; return its new summary."""
     from labavg.decode.run import export_and_decode
 
@@ -199,7 +199,7 @@ def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> dict[str, Any]
         summary = replace(load_summary(run_dir), **export_and_decode(
             run_dir, cfg, open_source(cfg, allow_pipes), cfg.decode_data))
         _write_summary(run_dir, summary)
-    return summary.to_dict()
+    return summary
 
 
 def _progress_bar(event: RunStarted, cfg: TrainConfig):

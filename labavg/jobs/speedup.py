@@ -137,12 +137,5 @@ def speedup_from_summary(summary: RunSummary | Mapping[str, Any]) -> Speedup | N
                             _threads(s.backend))
 
 
-def summary_fields(speedup: Speedup) -> dict[str, Any]:
-    """What summary.json records of a run's speedup besides its pairs."""
-    return {"speedup": speedup.value, "speedup_low": speedup.low, "speedup_high": speedup.high,
-            "speedup_bound": speedup.bound, "speedup_flag": speedup.flag,
-            "parallel_efficiency": speedup.efficiency, "speedup_text": speedup.text()}
-
-
 def _threads(backend: Any) -> bool:
     return backend in THREAD_BACKENDS

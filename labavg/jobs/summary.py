@@ -1,93 +1,105 @@
-"""summary.json: what rank 0 writes at the end of a run, reading it back, and a Markdown table
-of summaries."""
+"""summary.json: rank 0 makes it as a run ends (make_summary: each field from where RunSummary's
+declaration says, labavg.jobs.run_json), every reader reads it back typed (load_summary), and
+a run becomes a table row (run_row) and a table (format_runs).
+
+A row's K is the effective averaging interval (`averaging.average_every_frames` turned into
+minibatches when it is set, TrainConfig.average_interval), as summary.json records it: every
+table shows the K the run trained with.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
-from labavg.jobs.columns import markdown_table
-from labavg.jobs.index import SUMMARY, summary_row
-from labavg.jobs.speedup import (THREAD_BACKENDS, measured_speedup, speedup_from_summary,
-                                 summary_fields)
-from labavg.jobs.run_json import RunSummary, as_summary, read_run_summary, read_summary_file
+from labavg.base.json_files import check_fields, load_json
+from labavg.jobs.columns import COLUMNS, markdown_table
+from labavg.jobs.speedup import THREAD_BACKENDS, Speedup, measured_speedup, speedup_from_summary
+from labavg.jobs.run_json import (CONFIG_FIELDS, SUMMARY, SUMMARY_FIELDS, RunSummary, as_summary,
+                                  summary_sources)
 
 
-def read_summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json of a finished run; UserError naming the path otherwise."""
-    path = Path(run_dir) / SUMMARY
-    try:
-        return read_summary_file(path)  # each field the tables format checked for its type
-    except FileNotFoundError:
-        raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
+class NotFinished(UserError):
+    """A run directory without summary.json: the run has not ended (or is no run)."""
 
 
 def load_summary(run_dir: Path) -> RunSummary:
-    """summary.json of a finished run as a RunSummary; UserError naming the path otherwise."""
+    """The one reader of summary.json: a finished run's, typed, each field checked for the
+    type RunSummary declares. NotFinished when it is missing; UserError naming the file (and
+    field) when it is damaged or its config is from an older labavg."""
     path = Path(run_dir) / SUMMARY
     try:
-        return read_run_summary(path)
+        values = load_json(path)
     except FileNotFoundError:
-        raise UserError(f"{run_dir} is not a finished labavg run: {path} is missing") from None
+        raise NotFinished(f"{run_dir} is not a finished labavg run: {path} is missing") from None
+    check_fields(values, SUMMARY_FIELDS, path, "summary")
+    if isinstance(values.get("config"), dict):
+        check_fields(values["config"], CONFIG_FIELDS, path, "summary", "config.")
+    return RunSummary.from_dict(values, str(path))
 
 
-def make_summary(cfg: TrainConfig, started: RunStarted, finished: RunFinished,
-                 pairs: list[tuple[float, float]], load: dict[str, float],
-                 resumed: bool = False) -> RunSummary:
-    """The summary.json of a run, with its speedup measured in `pairs` (labavg.jobs.speedup)
-    and the load averages at its start and end."""
-    fields: dict[str, Any] = {
-        "ranks": started.size,
-        "backend": cfg.backend,
-        "average_every": started.average_every,
-        "averaging": started.averaging,
-        "reduce": started.reduce,
-        "payload": started.payload,
-        "optimizer": cfg.optimizer,
-        "pretrain": cfg.pretrain,
-        "schedule": cfg.schedule,
-        "minibatch": cfg.minibatch,
-        "epochs": cfg.epochs,
-        "lr": cfg.lr,
-        "effective_lr": started.effective_lr,
-        "num_params": started.num_params,
-        "num_pdfs": started.num_pdfs,
-        "frames_trained": finished.frames_trained,
-        "steps": finished.step,
-        "averaging_rounds": finished.averaging_rounds,
-        "cv_frame_accuracy": finished.cv_frame_accuracy,
-        "cv_loss": finished.cv_loss,
-        "wall_seconds": finished.wall_seconds,
-        "compute_seconds": finished.compute_seconds,
-        "comm_seconds": finished.comm_seconds,
-        "bytes_per_round": started.bytes_per_round,
-        "bytes_sent": finished.bytes_sent,
-        "hierarchy_every": started.hierarchy_every,
-        "node_ranks": started.node_ranks,
-        "node_rounds": finished.node_rounds,
-        "node_bytes_sent": finished.node_bytes_sent,
-        "all_rounds": finished.averaging_rounds - finished.node_rounds,
-        "all_bytes_sent": finished.bytes_sent - finished.node_bytes_sent,
-        "stopped": finished.stopped,
-        "comm_fraction": finished.comm_seconds / max(finished.compute_seconds + finished.comm_seconds, 1e-12),
-        "overlap": started.overlap,
-        "fragment_bytes": list(started.fragment_bytes),
-        "overlap_bytes_sent": finished.overlap_bytes_sent,
-        "comm_wait_seconds": finished.wait_seconds,
-        "comm_hidden_fraction": comm_hidden_fraction(finished),
-        "cores": started.cores,
-        "load_average": load,
-        "speedup_pairs": [list(p) for p in pairs],
-        "config": cfg,
-        "resumed": resumed,
-    }
-    fields.update(summary_fields(measured_speedup(
-        pairs, started.size, started.cores, load.get("start"), started.backend in THREAD_BACKENDS)))
-    return RunSummary(**fields)
+@dataclass(frozen=True)
+class RunEnd:
+    """What a run's summary is made of as rank 0 finishes: each RunSummary field names its
+    attribute path here (labavg.jobs.run_json); the derivations are the properties below."""
+
+    config: TrainConfig
+    started: RunStarted
+    finished: RunFinished
+    pairs: list[tuple[float, float]]  # the speedup's (solo, parallel) s per minibatch
+    load: dict[str, float]  # the 1-minute load averages at the run's "start" and "end"
+    resumed: bool = False
+
+    @property
+    def all_rounds(self) -> int:
+        return self.finished.averaging_rounds - self.finished.node_rounds
+
+    @property
+    def all_bytes_sent(self) -> int:
+        return self.finished.bytes_sent - self.finished.node_bytes_sent
+
+    @property
+    def comm_fraction(self) -> float:
+        f = self.finished
+        return f.comm_seconds / max(f.compute_seconds + f.comm_seconds, 1e-12)
+
+    @property
+    def comm_hidden_fraction(self) -> float | None:
+        return comm_hidden_fraction(self.finished)
+
+    @property
+    def fragment_bytes(self) -> list[int]:
+        return list(self.started.fragment_bytes)
+
+    @property
+    def speedup_pairs(self) -> list[list[float]]:
+        return [list(p) for p in self.pairs]
+
+    @cached_property
+    def speedup(self) -> Speedup:
+        return measured_speedup(self.pairs, self.started.size, self.started.cores,
+                                self.load.get("start"), self.started.backend in THREAD_BACKENDS)
+
+    @property
+    def speedup_text(self) -> str:
+        return self.speedup.text()
+
+
+def make_summary(end: RunEnd) -> RunSummary:
+    """The summary.json of a run: each field from where RunSummary says it comes from."""
+    return RunSummary(**{name: _at(end, path) for name, path in summary_sources().items()})
+
+
+def _at(value: Any, path: str) -> Any:
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
 
 
 def comm_hidden_fraction(finished: RunFinished) -> float | None:
@@ -103,6 +115,63 @@ def comm_hidden_fraction(finished: RunFinished) -> float | None:
                   / (blocking_seconds / blocking_bytes))
 
 
+def _payload_name(config: TrainConfig) -> str:
+    """What a run's rounds send, as summary.json names it: fp32, bf16, fp16, int4/8/16."""
+    payload = config.averaging.payload
+    return f"int{config.averaging.payload_bits}" if payload == "int" else payload
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def run_row(name: str, config: TrainConfig | None, summary: RunSummary | None) -> dict[str, Any]:
+    """The row every table of runs is cut from: each column's value at its attribute path
+    (labavg.jobs.columns), then what the row derives: `status` (finished, stopped or
+    running/incomplete), the settings the summary records first (what the run trained with)
+    or else the config's, the model's shape, and the speedup measured from the summary's
+    pairs. Results are None until the run has a summary; `config` is None for a summary
+    that does not hold one."""
+    s = summary if summary is not None else RunSummary()
+    cfg = config
+    run = {"summary": s, "config": cfg}
+    row = {c.field: c.read(run) for c in COLUMNS.values() if c.path is not None}
+    status = "running/incomplete" if summary is None else ("stopped" if s.stopped else "finished")
+    return {
+        "run": name, "status": status, "backend": _first(cfg and cfg.backend, s.backend),
+        "ranks": _first(s.ranks, cfg and cfg.ranks),
+        "average_every": _first(s.average_every, cfg and cfg.average_interval()),
+        "averaging": _first(s.averaging, cfg and cfg.averaging.method, "model"),
+        "reduce": _first(s.reduce, cfg and cfg.averaging.reduce, "allreduce"),
+        "payload": _first(s.payload, cfg and _payload_name(cfg), "fp32"),
+        "optimizer": _first(cfg and cfg.optimizer, s.optimizer),
+        "lr": _first(cfg and cfg.lr, s.lr), "schedule": _first(cfg and cfg.schedule, s.schedule),
+        "pretrain": _first(cfg and cfg.pretrain, s.pretrain),
+        "minibatch": _first(cfg and cfg.minibatch, s.minibatch),
+        "epochs": _first(cfg and cfg.epochs, s.epochs),
+        "model": cfg and f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}",
+        **row, **_speedup_columns(summary),
+    }
+
+
+def _speedup_columns(summary: RunSummary | None) -> dict[str, Any]:
+    """A row's speedup, as labavg.jobs.speedup reads it from the summary (None before the run
+    ends, and for a summary from before paired measurements)."""
+    speedup = speedup_from_summary(summary) if summary is not None else None
+    if speedup is None:
+        return {"speedup": None, "speedup_low": None, "speedup_high": None,
+                "parallel_efficiency": None, "speedup_flag": None, "cores": None}
+    return {"speedup": speedup.value, "speedup_low": speedup.low, "speedup_high": speedup.high,
+            "parallel_efficiency": speedup.efficiency, "speedup_flag": speedup.flag,
+            "cores": speedup.cores or None}
+
+
+def summary_row(name: str, summary: RunSummary | Mapping[str, Any]) -> dict[str, Any]:
+    """`run_row` of a finished run from its summary alone (which holds its config)."""
+    summary = as_summary(summary)
+    return run_row(name, summary.config, summary)
+
+
 # `labavg info`'s columns (labavg.jobs.columns); WER and PER only when a run decoded, reduce
 # and payload only when a run did not use the default (they would repeat it in every row).
 INFO_COLUMNS = ("run", "ranks", "average_every", "optimizer", "lr", "epochs", "averaging",
@@ -113,14 +182,16 @@ INFO_COLUMNS = ("run", "ranks", "average_every", "optimizer", "lr", "epochs", "a
 
 def format_table(summaries: Iterable[Mapping[str, Any]]) -> str:
     """A Markdown table of runs (one row each): summary.json's objects, each with the run's
-    name under "run" (as `labavg train` and `labavg info` print them); error rates when a run
-    decoded."""
-    return format_runs([(str(item.get("run")), as_summary(item)) for item in summaries])
+    name under "run"; error rates when a run decoded."""
+    return format_runs([(str(item.get("run")), None, as_summary(item)) for item in summaries])
 
 
-def format_runs(named: list[tuple[str, RunSummary]]) -> str:
-    """`format_table` of runs already read back: each run's name and RunSummary."""
-    rows = [summary_row(name, summary) for name, summary in named]
+def format_runs(runs: list[tuple[str, TrainConfig | None, RunSummary | None]]) -> str:
+    """The table `labavg train` and `labavg info` print, one row per run: its name, its
+    settings (None: those its summary holds) and its summary (None: running or cut short)."""
+    rows = [summary_row(name, summary) if summary is not None else run_row(name, config, None)
+            for name, config, summary in runs]
+    named = [(name, summary) for name, _, summary in runs if summary is not None]
     shown = {"wer_with_ci": any(r["wer"] is not None for r in rows),
              "per": any(r["wer"] is not None for r in rows),
              "reduce": any(r["reduce"] not in (None, "allreduce") for r in rows),

@@ -43,10 +43,11 @@ from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict, with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.columns import Column, columns, csv_row, markdown_table
-from labavg.jobs.index import SUMMARY, flatten_config, summary_row
+from labavg.jobs.index import flatten_config
 from labavg.jobs.run_dir import RunDirBusy, lock_held, run_dir_lock
+from labavg.jobs.run_json import SUMMARY
 from labavg.jobs.runs import decode_pending, finish_decode
-from labavg.jobs.summary import load_summary
+from labavg.jobs.summary import load_summary, summary_row
 
 # results.csv's and results.md's columns (labavg.jobs.columns); run_sweep's rows hold each
 # run's whole row (labavg.jobs.index.run_row) and its point's name.
@@ -194,16 +195,17 @@ def run_sweep(
     *,
     train_point: Callable[[TrainConfig, bool], None] | None = None,
     cwd: str | Path | None = None,
-    recorded: Mapping[str, dict[str, Any]] | None = None,
+    recorded: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Train every point not yet finished; write results.csv and results.md; return the rows.
 
     `train_point(cfg, resume)` trains one configuration (default: `labavg.jobs.launch.start_run`,
     which picks threads or a job by backend). `cwd` runs every point in that directory
     (Kaldi recipes' scp paths are relative to it); `out` is taken before it applies.
-    `recorded` maps point names to {"settings", "summary"} of runs finished elsewhere (a
-    results file, `labavg.studies.reproduction.results`): a point recorded with the same settings and without
-    a run directory here is not trained again, and its recorded summary is its row.
+    `recorded` maps point names to {"settings": dotted settings, "summary": RunSummary} of
+    runs finished elsewhere (a results file's, `labavg.studies.reproduction.results`): a point
+    recorded with the same settings and without a run directory here is not trained again,
+    and its recorded summary is its row.
     """
     if train_point is None:
         def train_point(cfg: TrainConfig, resume: bool) -> None:
@@ -297,7 +299,7 @@ def _train_point(cfg: TrainConfig, resume: bool, cwd: str | Path | None) -> None
     from labavg.jobs.launch import start_run
 
     try:
-        start_run(cfg, resume=resume, cwd=cwd).wait()
+        start_run(cfg, resume=resume, cwd=cwd).result()
     except JobFailed as exc:  # its ranks have said why on stderr
         raise UserError(f"sweep point {cfg.out} failed (exit status {exc.code})") from None
 

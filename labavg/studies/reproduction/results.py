@@ -17,12 +17,12 @@ from typing import Any
 
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError
-from labavg.base.events import EpochDone, MinibatchDone, event_from_dict
+from labavg.base.events import EpochDone, MinibatchDone
 from labavg.base.json_files import MAX_DEPTH, OBJECT, TEXT, check_fields, nesting_depth
 from labavg.jobs.columns import COLUMNS
 from labavg.base.settings import to_dict
-from labavg.jobs.index import flatten_config, list_runs
-from labavg.jobs.run_json import SUMMARY_FIELDS, RunSummary, summary_of
+from labavg.jobs.index import flatten_config, list_runs, read_run_events
+from labavg.jobs.run_json import SUMMARY_FIELDS, RunSummary
 from labavg.studies.reproduction.verdicts import Spread, log_ratio, spread
 
 RESULTS_FILE = "reproduction-results.jsonl"  # beside the sweep files: what the notebooks read
@@ -47,7 +47,7 @@ class Run:
 
     @cached_property
     def summary(self) -> RunSummary:
-        return summary_of(self.recorded, f"run {self.name}")
+        return RunSummary.from_dict(self.recorded, f"run {self.name}")
 
     @property
     def trace(self) -> dict[str, Any]:
@@ -86,16 +86,10 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
     Newbob's decision at each epoch end, and how often max-change cut an update."""
     epochs, logged, limited, scales = [], 0, 0, []
     try:
-        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+        events = [e for e in read_run_events(run_dir) if e.rank == 0]
     except OSError:
         return {}
-    for line in lines:
-        if '"rank": 0,' not in line:
-            continue
-        try:
-            event = event_from_dict(json.loads(line))
-        except ValueError:
-            continue  # a line cut by a crash
+    for event in events:
         if isinstance(event, EpochDone):
             epochs.append({"epoch": event.epoch, "lr": event.lr,
                            "cv_frame_accuracy": event.cv_frame_accuracy,
