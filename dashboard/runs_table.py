@@ -31,7 +31,7 @@ TABLE_TITLES = {c.key: c.title for c in columns(TABLE_COLUMNS)}
 
 
 def table_row(row: dict[str, Any], summary: RunSummary | None) -> dict[str, Any]:
-    """The dashboard's columns of a `labavg.jobs.index.run_row`, with the measured speedup's
+    """The dashboard's columns of a `labavg.jobs.summary.run_row`, with the measured speedup's
     line as every screen writes it (`dashboard.speedup.shown_text`)."""
     return csv_row(TABLE_COLUMNS, {**row, "speedup_note": speedup_note(summary)})
 

@@ -271,8 +271,8 @@ def test_overlap_none_trains_the_blocking_run_bit_for_bit(corpus, tmp_path):
     _, none = _run(corpus, tmp_path / "none", {"averaging.overlap": "none",
                                                "averaging.streaming_fragments": 2}, epochs=1)
     assert torch.equal(final_params(tmp_path / "plain"), final_params(tmp_path / "none"))
-    assert none["overlap"] == "none" and none["comm_hidden_fraction"] is None
-    assert none["overlap_bytes_sent"] == 0 and none["bytes_sent"] == plain["bytes_sent"]
+    assert none.overlap == "none" and none.comm_hidden_fraction is None
+    assert none.overlap_bytes_sent == 0 and none.bytes_sent == plain.bytes_sent
     cfg = TrainConfig()
     assert type(make_averager(cfg.averaging, cfg.minibatch, torch.zeros(4), None)) is Averager
 

@@ -6,7 +6,7 @@ a sweep's results.csv and results.md (labavg.studies.sweep), the reproduction's 
 (labavg.studies.reproduction) and the dashboard's Runs table and its CSV (dashboard.runs_table).
 A column names where its value comes from: an attribute path on the run's summary or settings
 ("summary.cv_frame_accuracy", "config.seed", labavg.jobs.run_json.RunSummary and TrainConfig),
-which the run row (labavg.jobs.index.run_row) follows, or a value the run row derives ("status",
+which the run row (labavg.jobs.summary.run_row) follows, or a value the run row derives ("status",
 "ranks": the summary's, else the config's; "speedup": measured from the summary's pairs). A
 joined cell reads several of them (WER with its interval); a fraction is scaled to the
 percentage its title names, in the table and in the CSV alike.

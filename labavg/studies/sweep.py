@@ -50,7 +50,7 @@ from labavg.jobs.runs import decode_pending, finish_decode
 from labavg.jobs.summary import load_summary, summary_row
 
 # results.csv's and results.md's columns (labavg.jobs.columns); run_sweep's rows hold each
-# run's whole row (labavg.jobs.index.run_row) and its point's name.
+# run's whole row (labavg.jobs.summary.run_row) and its point's name.
 COLUMNS = ("run", "ranks", "average_every", "averaging", "reduce", "payload", "optimizer",
            "pretrain", "schedule", "minibatch", "seed", "wer", "wer_ci_low", "wer_ci_high", "per",
            "cv_acc_pct", "cv_loss", "wall_seconds", "compute_seconds", "comm_seconds",
