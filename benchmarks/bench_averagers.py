@@ -71,11 +71,11 @@ def accuracy(data: str, out_root: Path, seed: int) -> list[dict]:
     for name, extra in RUNS:
         cfg = with_overrides(TrainConfig(), {**base, **extra, "out": str(out_root / name)})
         start = time.perf_counter()
-        summary = start_run(cfg).wait()
-        rows.append({"run": name, "seed": seed, "cv_frame_accuracy": summary["cv_frame_accuracy"],
-                     "cv_loss": summary["cv_loss"], "rounds": summary["averaging_rounds"],
-                     "bytes_per_round": summary["bytes_per_round"],
-                     "bytes_sent": summary["bytes_sent"], "comm_seconds": summary["comm_seconds"],
+        summary = start_run(cfg).result()
+        rows.append({"run": name, "seed": seed, "cv_frame_accuracy": summary.cv_frame_accuracy,
+                     "cv_loss": summary.cv_loss, "rounds": summary.averaging_rounds,
+                     "bytes_per_round": summary.bytes_per_round,
+                     "bytes_sent": summary.bytes_sent, "comm_seconds": summary.comm_seconds,
                      "wall_seconds": time.perf_counter() - start})
         print(json.dumps(rows[-1]), flush=True)
     return rows

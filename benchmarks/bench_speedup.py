@@ -34,6 +34,7 @@ from pathlib import Path
 from labavg.base.settings import with_overrides
 from labavg.data.synth import synthesize
 from labavg.jobs.launch import start_run
+from labavg.jobs.run_json import RunSummary
 from labavg.jobs.speedup import speedup_from_summary
 from labavg.training.config import TrainConfig
 
@@ -43,12 +44,12 @@ def _busy(stop) -> None:
         sum(i * i for i in range(10_000))
 
 
-def _train(base: TrainConfig, out: Path, ranks: int) -> dict:
-    return start_run(with_overrides(base, {"out": str(out), "ranks": ranks})).wait()
+def _train(base: TrainConfig, out: Path, ranks: int) -> RunSummary:
+    return start_run(with_overrides(base, {"out": str(out), "ranks": ranks})).result()
 
 
-def _training_seconds(summary: dict) -> float:
-    return summary["compute_seconds"] + summary["comm_seconds"]
+def _training_seconds(summary: RunSummary) -> float:
+    return summary.compute_seconds + summary.comm_seconds
 
 
 def main() -> int:

@@ -12,10 +12,10 @@ printing each rank's loss and the divergence at each averaging round, and shuts 
 # %%
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from labavg.averaging.settings import AveragingConfig
+from labavg.base.events import Averaged, Event, MinibatchDone, RunFinished
 from labavg.jobs.cluster import Cluster
 from labavg.jobs.launch import start_run
 from labavg.data.settings import DataConfig
@@ -39,17 +39,17 @@ def config(average_every: int) -> TrainConfig:
     )
 
 
-def show(event: dict) -> None:
+def show(event: Event) -> None:
     """One line per event worth watching."""
-    rank = event["rank"]
-    if event["type"] == "minibatch" and event["step"] % 8 == 0:
-        print(f"  rank {rank} step {event['step']:3d}  loss {event['loss']:.3f}  "
-              f"acc {event['frame_accuracy']:.3f}")
-    elif event["type"] == "average":
-        print(f"  rank {rank} round {event['round']:2d} (step {event['step']:3d})  "
-              f"divergence {event['divergence']:.3e}  comm {event['comm_seconds'] * 1e3:.1f} ms")
-    elif event["type"] == "run_finished":
-        print(f"  rank {rank} finished at step {event['step']}")
+    rank = event.rank
+    if isinstance(event, MinibatchDone) and event.step % 8 == 0:
+        print(f"  rank {rank} step {event.step:3d}  loss {event.loss:.3f}  "
+              f"acc {event.frame_accuracy:.3f}")
+    elif isinstance(event, Averaged):
+        print(f"  rank {rank} round {event.round:2d} (step {event.step:3d})  "
+              f"divergence {event.divergence:.3e}  comm {event.comm_seconds * 1e3:.1f} ms")
+    elif isinstance(event, RunFinished):
+        print(f"  rank {rank} finished at step {event.step}")
 
 
 # %% start 2 engines (controller and engines on 127.0.0.1 only)
@@ -62,17 +62,12 @@ try:
     for k in (2, 8):
         print(f"averaging.average_every = {k}")
         run = start_run(config(k), cluster=cluster)  # the one door to a run, on these engines
-        while True:
-            finished = run.done()  # asked first, so the events polled after it are the last
-            for event in run.poll():
-                show(event)
-            if finished:
-                break
-            time.sleep(0.1)
-        summary = run.wait()
+        for event in run.events():  # as they arrive, until the run has ended
+            show(event)
+        summary = run.result()
         latency = run.handle.latency()
-        print(f"  cv frame accuracy {summary['cv_frame_accuracy']:.3f}, "
-              f"{summary['averaging_rounds']} averaging rounds, wall {summary['wall_seconds']:.2f} s; "
+        print(f"  cv frame accuracy {summary.cv_frame_accuracy:.3f}, "
+              f"{summary.averaging_rounds} averaging rounds, wall {summary.wall_seconds:.2f} s; "
               f"event latency median {latency['median'] * 1e3:.0f} ms, p95 {latency['p95'] * 1e3:.0f} ms")
 finally:
     # %% stop controller and engines

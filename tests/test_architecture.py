@@ -178,7 +178,7 @@ def test_the_start_scan_catches_what_it_is_for(tmp_path):
         {"cell_type": "code", "source": ["%%px\n", "from labavg.training.rank import train_rank\n"]},
     ]}))
     assert doors_around(_python_of(notebook)) == ["2: train_rank"]
-    assert doors_around("from labavg.jobs.launch import start_run\nstart_run(cfg).wait()\n") == []
+    assert doors_around("from labavg.jobs.launch import start_run\nstart_run(cfg).result()\n") == []
 
 
 # A run read back is typed (labavg.jobs.index.read_run: its TrainConfig and RunSummary): no

@@ -19,6 +19,7 @@ import pytest
 
 from labavg.averaging.settings import AveragingConfig
 from labavg.jobs.cluster import Cluster
+from labavg.base.events import Averaged, MinibatchDone, event_from_dict
 from labavg.jobs.cluster_run import RunError
 from labavg.jobs.launch import start_run
 from labavg.jobs.processes import pid_alive
@@ -27,7 +28,7 @@ from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
 from labavg.training.model import ModelConfig
 from labavg.jobs.index import read_events
-from labavg.jobs.summary import read_summary
+from labavg.jobs.summary import load_summary
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +93,18 @@ def _check_complete(history, run_dir: Path, total: int, average_every: int) -> N
 def test_run_streams_events_while_running_and_history_is_complete(cluster, corpus, tmp_path):
     handle = cluster._submit(make_cfg(tmp_path / "k2", corpus, 2))
     seen = list(handle.events(timeout=120))
-    summary = handle.wait(timeout=10)
+    summary = handle.result(timeout=10)
     assert handle.done and handle.gaps == []
-    assert seen == handle.history
+    assert seen == [event_from_dict(e) for e in handle.history]  # typed, every one, in order
     total = handle.history[0]["steps_per_epoch"]
-    assert summary["steps"] == total and summary["average_every"] == 2
-    assert summary == read_summary(tmp_path / "k2")
+    assert summary.steps == total and summary.average_every == 2
+    assert summary == load_summary(tmp_path / "k2")
     _check_complete(handle.history, tmp_path / "k2", total, 2)
     # streamed, not delivered at the end: the first events arrived before the last was created
-    assert min(e["t_arrived"] for e in seen) < max(e["t_created"] for e in seen)
-    assert {e["rank"] for e in seen if e["t_arrived"] < max(x["t_created"] for x in seen)} == {0, 1}
+    arrived = handle.history
+    assert min(e["t_arrived"] for e in arrived) < max(e["t_created"] for e in arrived)
+    assert {e["rank"] for e in arrived
+            if e["t_arrived"] < max(x["t_created"] for x in arrived)} == {0, 1}
     latency = handle.latency()
     print(f"event latency over {latency['count']} events: median {latency['median'] * 1e3:.1f} ms, "
           f"p95 {latency['p95'] * 1e3:.1f} ms")
@@ -111,9 +114,9 @@ def test_run_streams_events_while_running_and_history_is_complete(cluster, corpu
 def test_second_run_reuses_the_warm_engines(cluster, corpus, tmp_path):
     pids = [i["pid"] for i in cluster.info()]
     handle = cluster._submit(make_cfg(tmp_path / "k8", corpus, 8))
-    summary = handle.wait(timeout=120)
+    summary = handle.result(timeout=120)
     total = handle.history[0]["steps_per_epoch"]
-    assert summary["average_every"] == 8 and summary["averaging_rounds"] == -(-total // 8)
+    assert summary.average_every == 8 and summary.averaging_rounds == -(-total // 8)
     _check_complete(handle.history, tmp_path / "k8", total, 8)
     assert [i["pid"] for i in cluster.info()] == pids
 
@@ -122,8 +125,9 @@ def test_an_exception_on_the_engines_names_the_rank(cluster, corpus, tmp_path):
     cfg = make_cfg(tmp_path / "bad", corpus, 2)
     cfg.data.data = str(tmp_path / "no-such-corpus")
     handle = cluster._submit(cfg)
+    assert list(handle.events(timeout=60)) == []  # they end; result() says why
     with pytest.raises(RunError) as failure:
-        handle.wait(timeout=60)
+        handle.result(timeout=60)
     assert failure.value.rank == 0 and str(failure.value).startswith("rank 0 raised ")
     assert "no-such-corpus" in str(failure.value) and "Traceback" in failure.value.remote_traceback
     assert handle.done and handle.history == []
@@ -143,48 +147,49 @@ def test_attach_finds_the_running_engines_and_detaches_without_stopping_them(clu
 def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
     handle = cluster._submit(make_cfg(tmp_path / "stop", corpus, 4, epochs=40))
     for event in handle.events(timeout=120):
-        if event["type"] == "average" and event["round"] >= 2:
+        if isinstance(event, Averaged) and event.round >= 2:
             handle.stop()
             break
-    summary = handle.wait(timeout=60)
+    summary = handle.result(timeout=60)
     planned = handle.history[0]["steps_per_epoch"] * 40
-    assert summary["steps"] < planned and summary["steps"] % 4 == 0
+    assert summary.steps < planned and summary.steps % 4 == 0
     for rank in (0, 1):
         mine = [e for e in handle.history if e["rank"] == rank]
         assert [e["type"] for e in mine[-3:]] == ["message", "checkpoint", "run_finished"]
         assert mine[-3]["text"] == "stopped on request"
-        assert {e["step"] for e in mine[-3:]} == {summary["steps"]}
+        assert {e["step"] for e in mine[-3:]} == {summary.steps}
 
 
 def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, corpus, tmp_path):
     cfg = make_cfg(tmp_path / "seam", corpus, 4, epochs=3)
     handle = start_run(cfg, cluster=cluster)
-    events, deadline = [], time.monotonic() + 120
-    while not any(e["type"] == "average" for e in events):
-        assert time.monotonic() < deadline and not handle.done()
-        events += handle.poll()
-        time.sleep(0.05)
-    handle.stop()
-    stopped = handle.wait(60)
-    per_epoch = events[0]["steps_per_epoch"]
-    assert stopped["stopped"] and stopped["steps"] < 3 * per_epoch
-    finished = start_run(cfg, cluster=cluster, resume=True).wait(120)
-    assert not finished["stopped"] and finished["steps"] == 3 * per_epoch and finished["resumed"]
+    events = []
+    for event in handle.events(timeout=120):
+        events.append(event)
+        if isinstance(event, Averaged):
+            handle.stop()
+            break
+    assert not handle.done(), "the run ended before its first averaging round"
+    stopped = handle.result(60)
+    per_epoch = events[0].steps_per_epoch
+    assert stopped.stopped and stopped.steps < 3 * per_epoch
+    finished = start_run(cfg, cluster=cluster, resume=True).result(120)
+    assert not finished.stopped and finished.steps == 3 * per_epoch and finished.resumed
     assert not cluster.closed and len(cluster.info()) == 2  # a cluster it was given stays up
 
 
 # Fast-suite margin: an end-to-end twin of a fast test; CI runs it with -m slow.
 @pytest.mark.slow
-def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corpus, tmp_path):
+def test_killed_engine_makes_result_name_the_rank_then_kill_restarts(cluster, corpus, tmp_path):
     victim = cluster.info()[1]["pid"]
     handle = cluster._submit(make_cfg(tmp_path / "dead", corpus, 20, epochs=40))
     for event in handle.events(timeout=120):
-        if event["rank"] == 1 and event["type"] == "minibatch" and event["step"] >= 3:
+        if event.rank == 1 and isinstance(event, MinibatchDone) and event.step >= 3:
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
             break
     with pytest.raises(RunError) as failure:
-        handle.wait(timeout=60)
+        handle.result(timeout=60)
     assert time.monotonic() - killed_at < 30
     assert failure.value.rank == 1 and failure.value.step is not None and failure.value.step >= 3
     assert str(failure.value).startswith("rank 1 died") and f"step {failure.value.step}" in str(failure.value)
@@ -192,8 +197,8 @@ def test_killed_engine_makes_wait_name_the_rank_then_kill_restarts(cluster, corp
     handle.kill()  # the survivor is stuck in (or aborted by) the collective: fresh engines
     assert cluster.ranks == [0, 1] and not pid_alive(victim)
     assert victim not in [i["pid"] for i in cluster.info()]
-    summary = cluster._submit(make_cfg(tmp_path / "after", corpus, 8)).wait(timeout=120)
-    assert summary["average_every"] == 8 and summary["steps"] > 0
+    summary = cluster._submit(make_cfg(tmp_path / "after", corpus, 8)).result(timeout=120)
+    assert summary.average_every == 8 and summary.steps > 0
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.jobs.job_outcome import JobFailed
 from labavg.base.events import Averaged, MinibatchDone, RunFinished, RunStarted
-from labavg.jobs.launch import LAUNCH_FILE, start_run
+from labavg.jobs.job_run import LAUNCH_FILE
+from labavg.jobs.launch import start_run
 from labavg.jobs.run_json import RunSummary
 from labavg.jobs.index import read_events, read_run_events
 

@@ -236,10 +236,10 @@ def test_cluster_example_engines_train_for_an_attached_notebook(slurm, corpus, t
         monkeypatch.setenv("IPYTHONDIR", env["IPYTHONDIR"])  # where the notebook finds it
         cluster = Cluster.attach(profile="labavg", cluster_id=job, device="cpu", timeout=180)
         cfg = small_config(corpus, tmp_path / "engines", backend="mpi", ranks=2)
-        summary = start_run(cfg, cluster=cluster).wait(300)
+        summary = start_run(cfg, cluster=cluster).result(300)
         cluster.shutdown()  # an attached cluster: disconnects, the job's engines stay
-        assert summary["ranks"] == 2
-        start_run(replace(cfg, out=str(tmp_path / "mpiexec")), launcher="job").wait(300)
+        assert summary.ranks == 2
+        start_run(replace(cfg, out=str(tmp_path / "mpiexec")), launcher="job").result(300)
         _same_params(tmp_path / "engines", tmp_path / "mpiexec", 2)
     finally:
         _run(["scancel", job], slurm, timeout=30)

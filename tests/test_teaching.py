@@ -205,7 +205,7 @@ def test_train_prints_a_line_per_epoch_and_reads_a_finished_run_back(corpus, tmp
     printed = capsys.readouterr()
     lines = printed.out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["epoch 1 of 2", "epoch 2 of 2"]
-    assert lines[-1].startswith(f"epoch 2 of 2: CV frame accuracy {100 * summary['cv_frame_accuracy']:.2f} %")
+    assert lines[-1].startswith(f"epoch 2 of 2: CV frame accuracy {100 * summary.cv_frame_accuracy:.2f} %")
     assert printed.err == "", "no progress bars"
     stamp = (tmp_path / "run" / "summary.json").stat().st_mtime_ns
     assert teaching.train(cfg) == summary and capsys.readouterr().out == ""

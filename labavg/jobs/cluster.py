@@ -11,8 +11,9 @@ This is the client side; what runs inside the engines is labavg.jobs.engine. The
   `cluster._submit(cfg)`, which sends the config as a plain dict to every engine, which runs
   `run_training` in a background thread (the engine stays free for `stop()` and `%px`) and
   streams its events back as ipyparallel data messages (datapub). The returned `ClusterRun`
-  polls them, detects gaps, watches for dead or silent engines, and waits for the summary
-  (labavg.jobs.cluster_run, which also describes the data messages).
+  reassembles them, detects gaps, watches for dead or silent engines, and yields them typed
+  (`events()`) until rank 0's summary (`result()`) is in (labavg.jobs.cluster_run, which also
+  describes the data messages).
 """
 
 from __future__ import annotations
@@ -254,9 +255,9 @@ class Cluster:
             raise UserError(
                 f"the config asks for ranks={cfg.ranks} but the cluster has {len(self._infos)} engines")
         if self._run is not None:
-            self._run.poll()  # a run that ended unwatched is only known to have ended once polled
+            self._run.refresh()  # a run that ended unwatched is only known to have ended once looked at
         if self._run is not None and not self._run.done:
-            raise RuntimeError("a run is still going on this cluster; wait(), stop() or kill() it first")
+            raise RuntimeError("a run is still going on this cluster; result(), stop() or kill() it first")
         run_id = uuid.uuid4().hex[:12]
         cfg_dict = to_dict(cfg)
         results = [self.client[info["engine_id"]].apply_async(engine._launch_on_engine, run_id, cfg_dict,

@@ -1,7 +1,8 @@
 """A run going on a labavg.jobs.cluster.Cluster's engines, as the client sees it.
 
-`Cluster._submit` returns a `ClusterRun`; labavg.jobs.launch.EnginesRun wraps it in the handle
-every way of starting a run gives back. What runs inside the engines is labavg.jobs.engine.
+`Cluster._submit` returns a `ClusterRun`, with the handle's `events()`, `result()`, `stop()`
+and `done`; labavg.jobs.launch.EnginesRun wraps it in the handle every way of starting a run
+gives back. What runs inside the engines is labavg.jobs.engine.
 
 Data messages: the client keeps only the latest value per key of each request's data, so
 each batch of events goes under its own key `<run>/<seq>` and the client reassembles the
@@ -58,8 +59,8 @@ class ClusterRun:
         self._missing: dict[tuple[int, int], float] = {}
         self._lock = threading.Lock()
         self.history: list[dict[str, Any]] = []
-        self._unread: collections.deque[Event] = collections.deque()  # polled, not yet yielded
-        self.latencies: list[float] = []  # seconds from event creation on its engine to poll()
+        self._unread: collections.deque[Event] = collections.deque()  # taken in, not yet yielded
+        self.latencies: list[float] = []  # seconds from event creation on its engine to its arrival
         self.gaps: list[tuple[int, int]] = []  # (rank, seq) of batches that never arrived
         self.error: RunError | None = None
         self._error_is_echo, self._echo_since = False, 0.0
@@ -80,8 +81,12 @@ class ClusterRun:
         return self.error is not None and (
             not self._error_is_echo or time.monotonic() - self._echo_since > _ECHO_GRACE_SECONDS)
 
-    def poll(self) -> list[dict[str, Any]]:
-        """Events that arrived since the last poll, in order per rank (ranks one after another)."""
+    def refresh(self) -> None:
+        """Take in what has arrived (its events wait for `events`), so that `done` is known."""
+        self._unread.extend(filter(None, map(event_from_dict, self._arrived())))
+
+    def _arrived(self) -> list[dict[str, Any]]:
+        """Events that arrived since the last look, in order per rank (ranks one after another)."""
         with self._lock:
             now_wall, new = time.time(), []
             for rank in range(self._size):
@@ -207,7 +212,7 @@ class ClusterRun:
         deadline = Deadline(timeout)
         while True:
             finished = self.done
-            self._unread.extend(filter(None, map(event_from_dict, self.poll())))
+            self.refresh()
             while self._unread:  # one at a time: a caller that stops early loses none
                 yield self._unread.popleft()
             if finished:
@@ -239,7 +244,7 @@ class ClusterRun:
         self._cluster.restart()
 
     def latency(self) -> dict[str, float]:
-        """Median and 95th percentile (seconds) of event creation on an engine -> poll()."""
+        """Median and 95th percentile (seconds) from event creation on an engine to its arrival here."""
         values = sorted(self.latencies)
         if not values:
             return {"count": 0, "median": float("nan"), "p95": float("nan")}

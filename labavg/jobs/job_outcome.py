@@ -1,4 +1,4 @@
-"""What a job of processes (labavg.jobs.launch.JobRun) left behind that its closing line
+"""What a job of processes (labavg.jobs.job_run.JobRun) left behind that its closing line
 reports: which ranks were lost, where each got to, the exit status its ranks' messages mean,
 and the error a failed job raises."""
 

@@ -1,4 +1,4 @@
-"""One rank of a job that labavg.jobs.launch started (JobRun, under mpiexec, srun or torchrun):
+"""One rank of a job that labavg.jobs.job_run.JobRun started (under mpiexec, srun or torchrun):
 
     python -m labavg.jobs.rank_main LAUNCH_FILE [--no-progress] [--allow-pipes]
 
@@ -47,7 +47,7 @@ def run_rank(cfg, *, resume: bool = False, progress: bool = True, allow_pipes: b
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from labavg.jobs.launch import rank_config
+    from labavg.jobs.job_run import rank_config
 
     try:
         cfg, resume, stop_file = rank_config(args.launch_file)

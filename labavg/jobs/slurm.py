@@ -1,6 +1,6 @@
 """Slurm as a launcher: the srun command that starts a job's ranks inside an allocation.
 
-`labavg train --launcher slurm` (labavg.jobs.launch.JobRun with launcher "slurm") runs where
+`labavg train --launcher slurm` (labavg.jobs.job_run.JobRun with launcher "slurm") runs where
 SLURM_JOB_ID is set (inside `salloc` or an `sbatch` script) and starts its ranks with Slurm's
 own srun, as the mpiexec path starts them with MPICH's hydra: the same launch file, run-directory
 lock, and one-line errors. Slurm is never imitated: without an allocation this refuses.

@@ -7,13 +7,11 @@ through labavg.jobs.launch.start_run (MPI processes), never threads of the calle
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 from labavg.base.errors import UserError
+from labavg.base.events import Event
 from labavg.base.machine import usable_cores
 from labavg.base.settings import with_overrides
 from labavg.jobs.run_json import RunSummary
@@ -35,11 +33,12 @@ class ScalingPoint:
 
 def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (2, 4), *,
                     epochs: int = 1, pairs: int = 5, backend: str = "mpi",
-                    on_event: Callable[[dict[str, Any]], None] | None = None) -> list[Speedup]:
+                    on_event: Callable[[Event], None] | None = None) -> list[Speedup]:
     """Train `base` for `epochs` at each number of `ranks` under `out`/nN, one after another,
     and return each run's paired speedup, the 1-rank reference first (1.0 by definition).
 
     A run directory that already holds a finished run is read back, not trained again.
+    `on_event` sees each run's events (typed, labavg.base.events) as they arrive.
     """
     from labavg.jobs.launch import start_run
 
@@ -55,12 +54,10 @@ def measure_speedup(base: TrainConfig, out: str | Path, ranks: Sequence[int] = (
                                         "epochs": epochs, "speedup_pairs": pairs,
                                         "decode_data": None, "tensorboard": False})
             handle = start_run(cfg, resume=run_dir.exists())  # an interrupted one goes on
-            while not handle.done():
-                for event in handle.poll():
-                    if on_event is not None:
-                        on_event(event)
-                time.sleep(0.2)
-            summary = handle.wait()
+            for event in handle.events():
+                if on_event is not None:
+                    on_event(event)
+            summary = handle.result()
         speedup = speedup_from_summary(summary) if summary is not None else None
         if speedup is None:
             raise UserError(f"{run_dir}: the run wrote no speedup")

@@ -20,14 +20,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from labavg.training.config import TrainConfig, preset_config
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
+from labavg.base.events import EpochDone
+from labavg.jobs.run_json import RunSummary
 
 SIZE_VARIABLE = "LABAVG_NOTEBOOK_SIZE"
 # Kept because the tests and older instructions say it; it means SIZE_VARIABLE=small.
@@ -140,39 +141,28 @@ def base_config(work: str | os.PathLike, size: NotebookSize) -> TrainConfig:
                                backend="inproc", data=data, tensorboard=False)
 
 
-def follow(run, every: float = 0.5) -> Iterator[dict[str, Any]]:
-    """The events of a started run (`labavg.jobs.launch.start_run`'s handle) as they arrive,
-    until it ends; then `run.wait()` gives its summary."""
-    while True:
-        finished = run.done()  # asked first, so the events polled after it are the last
-        yield from run.poll()
-        if finished:
-            return
-        time.sleep(every)
-
-
-def epoch_line(event: dict[str, Any], epochs: int) -> str:
+def epoch_line(event: EpochDone, epochs: int) -> str:
     """One printed line per epoch, in place of progress bars (which an exported notebook shows
     on stderr's red background)."""
-    return (f"epoch {event['epoch'] + 1} of {epochs}: CV frame accuracy "
-            f"{100 * event['cv_frame_accuracy']:.2f} %, learning rate {event['lr']:.3g} at its end, "
-            f"{event['seconds']:.0f} s")
+    return (f"epoch {event.epoch + 1} of {epochs}: CV frame accuracy "
+            f"{100 * event.cv_frame_accuracy:.2f} %, learning rate {event.lr:.3g} at its end, "
+            f"{event.seconds:.0f} s")
 
 
-def train(cfg: TrainConfig, **start: Any) -> dict[str, Any]:
+def train(cfg: TrainConfig, **start: Any) -> RunSummary:
     """Train `cfg` through the one door (`start_run`, keywords passed on), printing a line per
     epoch, and return its summary; a finished run in `cfg.out` is read instead (a notebook
     rerun trains nothing twice)."""
     from labavg.jobs.launch import start_run
-    from labavg.jobs.summary import read_summary
+    from labavg.jobs.summary import load_summary
 
     if (Path(cfg.out) / "summary.json").is_file():
-        return read_summary(cfg.out)
+        return load_summary(cfg.out)
     run = start_run(cfg, **start)
-    for event in follow(run):
-        if event["type"] == "epoch" and event["rank"] == 0:
+    for event in run.events():
+        if isinstance(event, EpochDone) and event.rank == 0:
             print(epoch_line(event, cfg.epochs), flush=True)
-    return run.wait()
+    return run.result()
 
 
 def lr_words(cfg: TrainConfig) -> str:

@@ -31,7 +31,7 @@ async def notebook(corpus: Path, work: Path) -> None:
                       model=ModelConfig(hidden_layers=1, hidden_dim=32),
                       data=DataConfig(data=str(corpus), context=2, buffer_frames=2048),
                       tensorboard=False)
-    start_run(cfg, cluster=cluster).wait(timeout=120)
+    start_run(cfg, cluster=cluster).result(timeout=120)
     cluster.view.execute("import os; seen = os.getpid()")
     (work / "pids.json").write_text(json.dumps(cluster.process_ids()))
     await asyncio.sleep(0.5)

@@ -12,54 +12,111 @@ labavg.studies.reproduction.verdicts' one rule.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import queue
 import re
 import shutil
-import subprocess
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from labavg.base.checkpoint import atomic_write_text
-from labavg.base.errors import UserError
+from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.studies.reproduction import beyond, regime
 from labavg.studies.reproduction.paper import base_settings
 from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
-from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, select, with_recorded,
-                                                 write_results_file)
+from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, read_results_file,
+                                                 select, with_recorded, write_results_file)
 from labavg.studies.reproduction.speedup import MPI_POINTS
 from labavg.studies.reproduction.sweep_files import Experiments
-from labavg.studies.sweep import load_sweep, make_corpora
+from labavg.studies.sweep import Sweep, load_sweep, make_corpora, run_sweep
 
 # (name, sweep file, output directory, working directory or None) of one sweep to run.
 Job = tuple[str, Path, Path, Path | None]
 
 
 def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> None:
-    """`labavg sweep` for each job, `parallel` at a time, logs in OUT.log; the runs `results`
-    records are not trained again (`labavg sweep --recorded`)."""
-    pending, running, failed = list(jobs), [], []
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, file, out, cwd = pending.pop(0)
-            out.mkdir(parents=True, exist_ok=True)
-            log = open(out.parent / f"{name}.log", "ab")
-            print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log.name})", flush=True)
-            recorded = ["--recorded", str(results.resolve())] if results and results.is_file() else []
-            proc = subprocess.Popen([sys.executable, "-m", "labavg", "sweep", str(file.resolve()),
-                                     "--out", str(out.resolve()), *recorded], cwd=cwd, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            running.append((name, proc, log))
-        time.sleep(1.0)
-        for item in list(running):
-            name, proc, log = item
-            if proc.poll() is not None:
-                running.remove(item)
-                log.close()
-                if proc.returncode != 0:
-                    failed.append(f"{name} (exit status {proc.returncode}; see {log.name})")
+    """Each job's sweep (labavg.studies.sweep.run_sweep), `parallel` at a time on threads of this
+    process, what each prints in OUT.log; the runs `results` records are not trained again (as
+    `labavg sweep --recorded`). Once all have ended, a UserError names those that failed."""
+    recorded = read_results_file(results) if results is not None and results.is_file() else {}
+    # Loaded here, one by one: loading one in its recipe directory changes this process's.
+    sweeps = [(name, file, load_sweep(file) if cwd is None else _load_in(file, cwd), out, cwd,
+               {r.name: {"settings": r.settings, "summary": r.summary}
+                for r in recorded.get(file.stem, [])})
+              for name, file, out, cwd in jobs]
+    ended: queue.SimpleQueue = queue.SimpleQueue()  # (name, why it failed or None)
+    pending, running, failed, logs = list(sweeps), 0, [], {}
+    with _logs_routed():
+        while pending or running:
+            while pending and running < parallel:
+                name, file, sweep, out, cwd, known = pending.pop(0)
+                out.mkdir(parents=True, exist_ok=True)
+                log = logs[name] = out.parent / f"{name}.log"
+                print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log})", flush=True)
+                # Daemon threads: Ctrl-C ends this process at once, as it ended the sweeps' own;
+                # their runs resume from their checkpoints.
+                threading.Thread(target=_one_sweep, args=(name, sweep, out, cwd, known, log, ended),
+                                 daemon=True, name=f"labavg-sweep-{name}").start()
+                running += 1
+            name, why = ended.get()
+            running -= 1
+            if why is not None:
+                failed.append(f"{name} ({why}; see {logs[name]})")
     if failed:
         raise UserError(f"sweeps failed: {', '.join(failed)}")
+
+
+# The log of the sweep whose thread (or whose run's threads, which start in a copy of their
+# starter's context) is writing; None outside the sweeps.
+_LOG: contextvars.ContextVar[TextIO | None] = contextvars.ContextVar("labavg_sweep_log",
+                                                                     default=None)
+
+
+def _one_sweep(name: str, sweep: Sweep, out: Path, cwd: Path | None,
+               recorded: dict[str, Any], path: Path, ended: queue.SimpleQueue) -> None:
+    """On its own thread: one sweep, everything it and its runs print in its log."""
+    why = None
+    with open(path, "a", encoding="utf-8", buffering=1) as log:
+        _LOG.set(log)
+        try:
+            rows = run_sweep(sweep, out, cwd=cwd, recorded=recorded)
+            print((out / "results.md").read_text())
+            print(f"{len(rows)} runs in {out}/runs; tables in {out}/results.csv and results.md")
+        except Exception as exc:  # noqa: BLE001 - named in the one error of all the sweeps
+            if user_error_of(exc) is None:
+                traceback.print_exc(file=log)
+            why = one_line(user_error_of(exc) or exc)
+            print(f"labavg: error: {why}", file=log)
+        finally:
+            ended.put((name, why))
+
+
+class _Routed:
+    """sys.stdout or sys.stderr while sweeps run: a sweep's writes go to its log."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return (_LOG.get() or self.stream).write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding... of where it goes
+        return getattr(_LOG.get() or self.stream, name)
+
+
+@contextlib.contextmanager
+def _logs_routed() -> Iterator[None]:
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Routed(out), _Routed(err)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def _load_in(file: Path, cwd: Path):
@@ -83,7 +140,7 @@ def measure_mpi(paper_file: Path, out: Path, *, epochs: int = 1, cwd: Path | Non
             shutil.rmtree(run)
         cfg = with_overrides(base, {"out": str(run.resolve()), "ranks": ranks, "backend": "mpi",
                                     "averaging.average_every": k, "epochs": epochs, "decode_data": None})
-        start_run(cfg, cwd=cwd).wait()
+        start_run(cfg, cwd=cwd).result()
 
 
 def yesno_facts(recipe: Path | None) -> dict[str, Any]:
