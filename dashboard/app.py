@@ -4,8 +4,15 @@
     labavg dashboard                                                        # the same, via serve()
 
 In JupyterLab: `from dashboard.app import create_app; create_app(runs_dir="runs")` shows it inline.
-Composition only; the state lives in dashboard.settings, dashboard.live and
-dashboard.runs_table, the pieces in dashboard.components.
+Composition only: the state lives in dashboard.settings (the next run), dashboard.live (the
+run on screen), dashboard.runs_table (the past runs) and dashboard.jobs (the server's runs,
+shared by its pages); the views (dashboard.controls, live_view, runs_view, scaling_view)
+follow the state through `pn.bind` and `param.depends`. One `Dashboard` per page.
+
+The page's one periodic mechanism is its flush (`Dashboard.flush`, every FLUSH_MS): the
+events the run's worker thread queued go into the run's buffers (`LiveRun.drain`) and the
+rows they made to the browser (`LivePlots.stream`), so a run of thousands of events a second
+costs the browser one append per plot per flush. Everything else follows state changes.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import panel as pn  # noqa: E402
 from panel.theme import Fast  # noqa: E402
 
 from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
+from dashboard.jobs import JobRegistry, server_jobs  # noqa: E402
+from dashboard.live import LiveRun  # noqa: E402
 from dashboard.live_view import LivePlots  # noqa: E402
 from dashboard.notebook import serve_styles_locally  # noqa: E402
 from dashboard.runs_view import RunsView  # noqa: E402
 from dashboard.scaling_view import ScalingView  # noqa: E402
-from dashboard.live import LiveRun  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
 from dashboard.settings import RunSettings  # noqa: E402
 from labavg.data.settings import DataConfig  # noqa: E402
@@ -46,19 +54,20 @@ Fast._resources = {key: value for key, value in Fast._resources.items() if key !
 DATA = DataConfig.data  # labavg train's default data directory
 # The machine's own sans-serif: the template's default is a web font from a CDN.
 FONT = "'DejaVu Sans', 'Segoe UI', Helvetica, Arial, sans-serif"
-UPDATE_MS = 500  # the page is refreshed twice a second
-_TABLE_EVERY_TICKS = 10  # rescan the runs directory every 5 s while a run is on
+FLUSH_MS = 500  # the page's flush: twice a second
 
 
 class Dashboard:
-    """The state objects and components of one browser session (or one notebook cell)."""
+    """The state objects and views of one browser session (or one notebook cell); `jobs` is
+    the server's registry of runs (dashboard.jobs), shared with its other pages."""
 
-    def __init__(self, runs_dir: str = "runs", data: str = DATA) -> None:
+    def __init__(self, runs_dir: str = "runs", data: str = DATA,
+                 jobs: JobRegistry | None = None) -> None:
         self.settings = RunSettings(runs_dir=runs_dir, data=data)
-        self.live = LiveRun()
+        self.live = LiveRun(jobs=jobs)
         # The sidebar says what the run on screen trains when this page did not start it (a
         # reload, a second page, a followed run), so that Start trains what is on screen.
-        self.live.param.watch(self._show_run_settings, "config")
+        pn.bind(self._show_run_settings, self.live.param.config, watch=True)
         # A reload, or a second page, shows the server's run in progress, else its last run:
         # before the plots and boxes are made, so they are made for it, once.
         self.live.attach(last=True)
@@ -67,30 +76,26 @@ class Dashboard:
         self.runs = RunsView(self.table)
         self.scaling = ScalingView(self.table, self.settings)
         self.controls = RunControls(self.settings, self.live)
-        self.settings.param.watch(lambda e: setattr(self.table, "runs_dir", e.new), "runs_dir")
-        self.table.param.watch(lambda _: self.runs.refresh(), "runs_dir")
-        self.live.param.watch(lambda _: self.runs.refresh(), "running")
-        self._ticks = 0
+        pn.bind(lambda runs_dir: setattr(self.table, "runs_dir", runs_dir),
+                self.settings.param.runs_dir, watch=True)
+        # The table is rescanned when what it lists can have changed: another runs directory,
+        # a run's config.json written (its rank 0 has started), a run ended.
+        pn.bind(lambda *_: self.runs.refresh(), self.table.param.runs_dir, self.live.param.running,
+                self.live.param.started, watch=True)
         self.runs.refresh()
         self.scaling.refresh()
 
-    def _show_run_settings(self, event: Any) -> None:
-        if event.new and not self.live.own:
+    def _show_run_settings(self, config: dict[str, Any]) -> None:
+        if config and not self.live.own:
             # A run of this server: where it was written too (another page may have changed it).
             runs_dir = str(Path(self.live.run_dir).parent) if self.live.from_server else None
-            self.settings.show_run(event.new, runs_dir)
+            self.settings.show_run(config, runs_dir)
 
-    def tick(self) -> None:
-        """The periodic update: drain the run's events into the plots, rescan runs now and then;
-        a run another page starts comes on screen here too."""
-        if not self.live.running:
-            self.live.attach()
+    def flush(self) -> None:
+        """The page's flush (see the module's docstring): queued events into the run's
+        buffers, their rows to the plots."""
         self.live.drain()
-        self.plots.update()
-        self.scaling.tick()
-        self._ticks += 1
-        if self.live.running and self._ticks % _TABLE_EVERY_TICKS == 0:
-            self.runs.refresh()
+        self.plots.stream()
 
     def _main(self) -> pn.Column:
         # dynamic: a tab's plots are drawn when it is shown, not all of them with the page (9
@@ -130,9 +135,10 @@ def in_notebook() -> bool:
 
 
 def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = DATA,
-               period_ms: int = UPDATE_MS, preset: str | None = None,
-               inline: bool | None = None) -> pn.viewable.Viewable:
-    """A servable dashboard page with its periodic update running. `preset` selects a named
+               period_ms: int = FLUSH_MS, preset: str | None = None,
+               inline: bool | None = None, jobs: JobRegistry | None = None) -> pn.viewable.Viewable:
+    """A servable dashboard page with its flush running; `jobs` the registry of runs its
+    pages share (by default this process's, `dashboard.jobs.server_jobs`). `preset` selects a named
     preset first (a notebook passes its size's, so its runs pair up). `inline` (the default
     in a Jupyter kernel): the page as a cell's output, its JavaScript and stylesheets in the
     notebook, so a class without internet sees it styled (a template there took its styles
@@ -142,7 +148,8 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = D
     pn.extension("tabulator", notifications=False, inline=inline)
     if inline:
         serve_styles_locally()  # and so are the models its callbacks make later
-    dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data))
+    dashboard = Dashboard(runs_dir=str(runs_dir), data=str(data),
+                          jobs=jobs if jobs is not None else server_jobs())
     if preset is not None:
         dashboard.settings.preset = preset
     if inline and not dashboard.live.run_dir:
@@ -152,7 +159,7 @@ def create_app(runs_dir: str | os.PathLike = "runs", data: str | os.PathLike = D
         if newest is not None:
             dashboard.live.follow(newest)
     page = dashboard.inline_view() if inline else dashboard.view()
-    pn.state.add_periodic_callback(dashboard.tick, period=period_ms)
+    pn.state.add_periodic_callback(dashboard.flush, period=period_ms)
     if pn.state.curdoc is not None:
         # Served: the session ends when its page is closed; its run must not queue for it.
         pn.state.curdoc.on_session_destroyed(lambda _context: dashboard.live.close())

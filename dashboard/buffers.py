@@ -1,18 +1,19 @@
 """What the live plots show about one run, bounded in memory.
 
-    RunBuffers    everything about one run (its events routed by kind)
+    RunBuffers    everything about one run (its typed events routed by type)
     RankSeries    per-rank bounded buffers of one curve, assembled into one row per step/round
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
-from typing import Any
 
 import numpy as np
 
+from dashboard.live_plots import LIVE_PLOTS, RANK0, LivePlot
+from labavg.base.events import (Averaged, Event, Message, MinibatchDone, RunFinished, RunStarted,
+                                SpeedupPair)
 from labavg.studies.costmodel import MeasuredCosts
 
 POINTS_PER_CURVE = 5000
@@ -70,24 +71,21 @@ class RankSeries:
         return ["x", *(f"rank{r}" for r in range(self.ranks)), "mean"]
 
 
-@dataclasses.dataclass
 class RunBuffers:
-    """Everything the live plots show about one run, bounded in memory."""
+    """Everything the live plots show about one run, bounded in memory: a `RankSeries` per
+    series of each plot of `dashboard.live_plots.LIVE_PLOTS`, and what the status line and
+    the speedup are computed from. Fed typed events (labavg.base.events), dispatched by type."""
 
-    ranks: int
-    maxlen: int = POINTS_PER_CURVE
-
-    def __post_init__(self) -> None:
-        self.loss = RankSeries(self.ranks, self.maxlen)  # x = step
-        self.divergence = RankSeries(self.ranks, self.maxlen)  # x = averaging round
-        self.compute = RankSeries(self.ranks, self.maxlen)  # x = averaging round
-        self.comm = RankSeries(self.ranks, self.maxlen)
-        self.fps = RankSeries(self.ranks, self.maxlen)
-        self.cv: deque = deque(maxlen=self.maxlen)  # (epoch, cv acc, train acc), rank 0
+    def __init__(self, ranks: int, maxlen: int = POINTS_PER_CURVE,
+                 plots: tuple[LivePlot, ...] = LIVE_PLOTS) -> None:
+        self.ranks, self.maxlen = ranks, maxlen
+        self.plots = tuple(plot for plot in plots if plot.feed is not None)
+        self.series = {plot.name: {s.column: RankSeries(1 if plot.ranks == RANK0 else ranks, maxlen)
+                                   for s in plot.series} for plot in self.plots}
         self.last_step = 0
-        self.finished: dict[str, Any] | None = None
-        self.started: dict[str, Any] | None = None  # rank 0's run_started
-        self.pairs: list[dict[str, Any]] = []  # rank 0's speedup_pair events (labavg.jobs.speedup)
+        self.finished: RunFinished | None = None  # rank 0's
+        self.started: RunStarted | None = None  # rank 0's
+        self.pairs: list[SpeedupPair] = []  # rank 0's (labavg.jobs.speedup)
         self.messages: deque = deque(maxlen=20)
         # Throughput as Su & Chen's epoch time counts it: frames of all ranks over rank 0's
         # compute + averaging seconds (the ranks wait for each other at every round).
@@ -97,44 +95,53 @@ class RunBuffers:
         self.rounds = 0
         self.round_steps = 0  # rank 0's minibatches up to its last averaging round
 
-    def add(self, event: dict[str, Any]) -> None:
-        """Route one event dict (labavg.base.events) into the buffers."""
-        kind, rank = event.get("type"), event.get("rank", 0)
-        if kind == "minibatch":
-            self.loss.add(rank, event["step"], event["loss"])
-            self.last_step = max(self.last_step, event["step"])
-        elif kind == "average":
-            rnd = event["round"]
-            self.divergence.add(rank, rnd, event["divergence"])
-            self.compute.add(rank, rnd, event["compute_seconds"])
-            self.comm.add(rank, rnd, event["comm_seconds"])
-            self.fps.add(rank, rnd, event["frames_per_second"])
-            self.frames += event["frames_per_second"] * event["compute_seconds"]
-            if rank == 0:
-                self.seconds += event["compute_seconds"] + event["comm_seconds"]
-                self.comm_seconds += event["comm_seconds"]
-                self.rounds += 1
-                start = self.started.get("start_step", 0) if self.started else 0
-                self.round_steps = event["step"] - start
-        elif kind == "run_started" and rank == 0:
-            self.started = event
-        elif kind == "speedup_pair" and rank == 0:
-            self.pairs.append(event)
-        elif kind == "epoch" and rank == 0:
-            self.cv.append((event["epoch"], event["cv_frame_accuracy"], event["train_frame_accuracy"]))
-        elif kind == "message":
-            self.messages.append(f"rank {rank}, step {event['step']}: {event['text']}")
-        elif kind == "run_finished" and rank == 0:
-            self.finished = event
-            for series in (self.loss, self.divergence, self.compute, self.comm, self.fps):
-                series.flush()
+    def of(self, plot: str, column: str | None = None) -> RankSeries:
+        """The rows of one series of plot `plot` (its first when `column` is None)."""
+        series = self.series[plot]
+        return series[column] if column is not None else next(iter(series.values()))
 
+    def add(self, event: Event) -> None:
+        """Route one typed event into the plots it feeds and the run's own counts."""
+        for plot in self.plots:
+            if plot.takes(event):
+                x, rank = plot.x_value(event), 0 if plot.ranks == RANK0 else event.rank
+                for s in plot.series:
+                    self.series[plot.name][s.column].add(rank, x, s.value(event))
+        match event:
+            case MinibatchDone():
+                self.last_step = max(self.last_step, event.step)
+            case Averaged():
+                self._averaged(event)
+            case RunStarted(rank=0):
+                self.started = event
+            case SpeedupPair(rank=0):
+                self.pairs.append(event)
+            case Message():
+                self.messages.append(f"rank {event.rank}, step {event.step}: {event.text}")
+            case RunFinished(rank=0):
+                self.finished = event
+                self.flush()
+
+    def _averaged(self, event: Averaged) -> None:
+        self.frames += event.frames_per_second * event.compute_seconds
+        if event.rank == 0:
+            self.seconds += event.compute_seconds + event.comm_seconds
+            self.comm_seconds += event.comm_seconds
+            self.rounds += 1
+            start = self.started.start_step if self.started else 0
+            self.round_steps = event.step - start
+
+    def flush(self) -> None:
+        """Emit the rows still waiting for a rank (at the end of a run)."""
+        for series in self.series.values():
+            for rows in series.values():
+                rows.flush()
 
     def frames_per_second(self) -> float | None:
         """Frames per second of all ranks so far (training time), None before a round."""
         return self.frames / self.seconds if self.seconds > 0 else None
 
-    def speedup_events(self) -> list[dict[str, Any]]:
+    def speedup_events(self) -> list[Event]:
         """What `labavg.jobs.speedup.speedup_from_events` reads: rank 0's run_started and pairs."""
         return [] if self.started is None else [self.started, *self.pairs]
 
@@ -146,5 +153,5 @@ class RunBuffers:
         compute = (self.seconds - self.comm_seconds) / self.round_steps
         return MeasuredCosts(compute_per_minibatch_s=compute,
                              allreduce_s=self.comm_seconds / self.rounds,
-                             num_params=int(s["num_params"]), minibatch=minibatch, ranks=self.ranks,
-                             frames_per_epoch=float(s["steps_per_epoch"] * minibatch * self.ranks))
+                             num_params=int(s.num_params), minibatch=minibatch, ranks=self.ranks,
+                             frames_per_epoch=float(s.steps_per_epoch * minibatch * self.ranks))

@@ -43,18 +43,18 @@ def number_box(settings: RunSettings, name: str, placeholder: str = "") -> pn.wi
     browser's number box quietly making them 1 or nothing; a preset's value shows in it."""
     box = pn.widgets.TextInput(label=settings.label(name), placeholder=placeholder,
                                value=_number_text(getattr(settings, name)))
-    box.param.watch(lambda e: settings.type_text(name, e.new), "value_input")
+    pn.bind(lambda text: settings.type_text(name, text), box.param.value_input, watch=True)
 
-    def follow(event: param.parameterized.Event) -> None:
+    def follow(value: Any) -> None:
         # Only a value the box's text does not already say: typing "0." must stay "0.".
         try:
             shown = float(box.value_input or box.value) if (box.value_input or box.value) else None
         except ValueError:
             shown = object()
-        if shown != event.new and name not in settings.typed:
-            box.param.update(value=_number_text(event.new), value_input=_number_text(event.new))
+        if shown != value and name not in settings.typed:
+            box.param.update(value=_number_text(value), value_input=_number_text(value))
 
-    settings.param.watch(follow, name)
+    pn.bind(follow, settings.param[name], watch=True)
     return box
 
 
@@ -67,7 +67,7 @@ def _widget(settings: RunSettings, name: str) -> pn.widgets.Widget:
         return number_box(settings, name, "0.01 × lr" if name == "final_lr" else "")
     box = pn.widgets.TextInput.from_param(parameter)
     # Checked as typed: a path is judged on each keystroke, not when the box loses focus.
-    box.param.watch(lambda e: setattr(settings, name, e.new), "value_input")
+    pn.bind(lambda text: setattr(settings, name, text), box.param.value_input, watch=True)
     return box
 
 
@@ -94,7 +94,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
                               styles={**_ERROR_STYLE, "color": "#b00020" if error else _WARNING_COLOR},
                               css_classes=["labavg-error" if error else "labavg-warning"])
 
-    settings.param.watch(show, ["errors", "warnings"])
+    pn.bind(show, settings.param.errors, settings.param.warnings, watch=True)
     show()
 
     def enable(*_: Any) -> None:
@@ -117,52 +117,39 @@ def settings_panel(settings: RunSettings) -> pn.Column:
 
 
 class RunControls(pn.viewable.Viewer):
-    """Start / Stop / Follow buttons and the status and run-configuration lines."""
+    """Start / Stop / Follow buttons and the status and run-configuration lines, each bound to
+    the state it shows (`pn.bind`): Start is off while a run is on or a setting is wrong."""
 
     def __init__(self, settings: RunSettings, live: LiveRun, **params: Any) -> None:
         super().__init__(**params)
         self.settings, self.live = settings, live
-        self.start_button = pn.widgets.Button(label="Start", color="primary", sizing_mode="stretch_width")
+        running, errors = live.param.running, settings.param.errors
+        # Start stays off while any setting is wrong: a run never starts with a value the
+        # page shows as refused (or with the value it had before).
+        self.start_button = pn.widgets.Button(
+            label="Start", color="primary", sizing_mode="stretch_width",
+            disabled=pn.bind(lambda on, wrong: on or bool(wrong), running, errors))
         # A page that opens on a run in progress (a reload) has Stop on from the start.
-        self.stop_button = pn.widgets.Button(label="Stop", color="danger", disabled=not live.running,
-                                             sizing_mode="stretch_width")
+        self.stop_button = pn.widgets.Button(label="Stop", color="danger", sizing_mode="stretch_width",
+                                             disabled=pn.bind(lambda on: not on, running))
         self.follow_input = pn.widgets.TextInput(placeholder="run dir to follow",
                                                  sizing_mode="stretch_width")
         self.follow_button = pn.widgets.Button(label="Follow", sizing_mode="stretch_width",
-                                               disabled=live.running)
+                                               disabled=running)
         self.start_button.on_click(lambda _: self.live.start(self.settings))
         self.stop_button.on_click(lambda _: self.live.stop())
         self.follow_button.on_click(lambda _: self.live.follow(self.follow_input.value))
-        self.live.param.watch(self._on_running, "running")
-        self.problem = pn.pane.Markdown("", visible=False, sizing_mode="stretch_width",
-                                        margin=(0, 8), styles=_ERROR_STYLE, stylesheets=_ERROR_SHEET,
+        problem = pn.bind(_problem_text, errors)
+        self.problem = pn.pane.Markdown(problem, visible=pn.bind(bool, problem),
+                                        sizing_mode="stretch_width", margin=(0, 8),
+                                        styles=_ERROR_STYLE, stylesheets=_ERROR_SHEET,
                                         css_classes=["labavg-error"])
-        self.settings.param.watch(lambda _: self._enable(), "errors")
-        self._enable()
-        self.status = pn.pane.Markdown(self._text(), sizing_mode="stretch_width", margin=(0, 10),
-                                       styles={"font-size": "0.95em"})
-        self.live.param.watch(lambda *_: setattr(self.status, "object", self._text()),
-                              ["status", "error", "config", "run_dir", "mode"])
+        self.status = pn.pane.Markdown(
+            pn.bind(self._text, live.param.status, live.param.error, live.param.config,
+                    live.param.run_dir, live.param.mode),
+            sizing_mode="stretch_width", margin=(0, 10), styles={"font-size": "0.95em"})
 
-    def _enable(self) -> None:
-        errors = self.settings.errors
-        # Start stays off while any setting is wrong: a run never starts with a value the
-        # page shows as refused (or with the value it had before).
-        self.start_button.disabled = self.live.running or bool(errors)
-        if errors:
-            general = errors.get(GENERAL)
-            text = general or (f"Fix {len(errors)} setting{'s' if len(errors) > 1 else ''} "
-                               "marked below to start.")
-        else:
-            text = ""
-        self.problem.param.update(object=text.replace("_", "\\_"), visible=bool(text))
-
-    def _on_running(self, event: param.parameterized.Event) -> None:
-        self._enable()
-        self.follow_button.disabled = event.new
-        self.stop_button.disabled = not event.new
-
-    def _text(self) -> str:
+    def _text(self, status: str, *_: Any) -> str:
         """The status line, then what the run on screen is (not what the settings say)."""
         # Shapes every sans-serif font has: an emoji (once an eye) was an empty box without
         # an emoji font.
@@ -171,7 +158,7 @@ class RunControls(pn.viewable.Viewer):
             on_screen = "No run on screen."
         else:
             on_screen = f"On screen: `{Path(self.live.run_dir).name}` — {describe_config(self.live.config)}."
-        return f"**{icon} {self.live.status}**  \n{on_screen} _Settings changes apply to the next run._"
+        return f"**{icon} {status}**  \n{on_screen} _Settings changes apply to the next run._"
 
     def status_view(self) -> pn.pane.Markdown:
         """The status line and what the run on screen is, kept up to date."""
@@ -185,3 +172,12 @@ class RunControls(pn.viewable.Viewer):
                                 sizing_mode="stretch_width"),
                          sizing_mode="stretch_width")
 
+
+def _problem_text(errors: dict[str, str]) -> str:
+    """Why Start is off: the general problem, else how many settings to fix ('' when none)."""
+    if not errors:
+        return ""
+    general = errors.get(GENERAL)
+    text = general or (f"Fix {len(errors)} setting{'s' if len(errors) > 1 else ''} "
+                       "marked below to start.")
+    return text.replace("_", "\\_")

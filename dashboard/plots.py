@@ -172,6 +172,45 @@ class StreamedCurves:
                 source.data = self._empty(column)
 
 
+class AccuracyPlot:
+    """Rank 0's CV and training frame accuracy at each epoch's end: a few points per run, so
+    the whole frame goes to an `hv.streams.Pipe` on each new epoch (the axes follow it)."""
+
+    COLUMNS = ("epoch", "cv_acc_pct", "train_acc_pct")
+
+    def __init__(self, maxlen: int = 5000) -> None:
+        self.maxlen = maxlen
+        self.data = pd.DataFrame({c: [] for c in self.COLUMNS}, dtype=float)
+        self.pipe = hv.streams.Pipe(data=self.data)
+
+        def draw(data):
+            dim = hv.Dimension("cv_acc_pct", label="frame accuracy (%)")
+            acc = hv.Curve(data, "epoch", dim, label="CV")
+            train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy (%)"),
+                             label="train")
+            points = hv.Scatter(data, "epoch", dim)
+            # framewise: the whole frame is replaced on each epoch, so the axes must follow it.
+            return (acc.opts(color="#9467bd", framewise=True)
+                    * points.opts(color="#9467bd", size=7, framewise=True)
+                    * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
+                **_plot_opts("Frame accuracy", "epoch", "frame accuracy (%)", framewise=True,
+                             legend_position="top_left", ylim=ACCURACY_RANGE,
+                             xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
+
+        self.element = hv.DynamicMap(draw, streams=[self.pipe])
+
+    def stream(self, rows: pd.DataFrame) -> None:
+        """Add rows (epoch, CV and training accuracy in %) and redraw."""
+        if len(rows):
+            self.data = pd.concat([self.data, rows], ignore_index=True).iloc[-self.maxlen:]
+            self.pipe.send(self.data)
+
+    def clear(self) -> None:
+        """No epoch yet (a new run)."""
+        self.data = self.data.iloc[0:0]
+        self.pipe.send(self.data)
+
+
 SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 
 

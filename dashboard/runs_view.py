@@ -9,7 +9,6 @@ from typing import Any
 
 import pandas as pd
 import panel as pn
-import param
 from bokeh.models import NumberFormatter
 
 from dashboard.overlay import RunsOverlay
@@ -76,7 +75,7 @@ class RunsView(pn.viewable.Viewer):
             titles=TABLE_TITLES, formatters=formatters, frozen_columns=["run"], widths=TABLE_WIDTHS,
             stylesheets=[_TABLE_CSS],
         )
-        self.tabulator.param.watch(self._on_select, "selection")
+        pn.bind(self._on_select, self.tabulator.param.selection, watch=True)
         self._drawn = ""
         self.download = pn.widgets.FileDownload(callback=self._csv, filename="labavg-runs.csv",
                                                 label="Download CSV", color="default", width=150)
@@ -110,9 +109,9 @@ class RunsView(pn.viewable.Viewer):
     def _csv(self) -> io.StringIO:
         return io.StringIO(self.table.to_csv())
 
-    def _on_select(self, event: param.parameterized.Event) -> None:
+    def _on_select(self, selection: list[int]) -> None:
         frame = self.tabulator.value
-        self.table.selected = [frame.iloc[i]["run"] for i in event.new if i < len(frame)]
+        self.table.selected = [frame.iloc[i]["run"] for i in selection if i < len(frame)]
         self.overlay.show(self.table.overlay())
 
     def _show_problems(self, problems: list[str]) -> None:

@@ -1,0 +1,101 @@
+"""The Live tab's plots, declared: one `LivePlot` per plot, in the order the tab shows them.
+
+A plot names the event type that feeds it (labavg.base.events), the event's x and the
+series it takes from each such event, how the ranks are drawn, and its figure. The run's
+buffers (dashboard.buffers) and the tab (dashboard.live_view) are made from `LIVE_PLOTS`
+alone, so a new live plot is one entry here, e.g. each rank's learning rate:
+
+    LivePlot("lr", MinibatchDone, "step", (Series("lr", "lr", lambda e: e.lr),),
+             title="Learning rate per rank", xlabel="step (minibatches)", ylabel="lr"),
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from labavg.base.events import Averaged, EpochDone, Event, MinibatchDone
+
+# How a plot draws the ranks: EACH a curve per rank and their mean (the series' values are
+# per rank); MEAN and SUM one curve per series over the ranks; RANK0 rank 0's events only.
+EACH, MEAN, SUM, RANK0 = "each", "mean", "sum", "rank 0"
+# The figure a plot is: streamed bokeh curves (dashboard.plots.StreamedCurves), the accuracy
+# plot of the few epochs (redrawn whole), or the speedup plot (fed by the run's speedup, not
+# by rows).
+CURVES, ACCURACY, SPEEDUP = "curves", "accuracy", "speedup"
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    """One quantity an event carries: its rows' column (a prefix with EACH), its label and
+    style in the legend, and how to read it off the event."""
+
+    column: str
+    label: str
+    value: Callable[[Any], float]
+    style: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class LivePlot:
+    """One live plot: what feeds it and how it is drawn."""
+
+    name: str
+    feed: type[Event] | None  # the event type that feeds it (None: not fed by rows)
+    x: str  # the rows' x column; the event's field of that name unless `x_of` says otherwise
+    series: tuple[Series, ...] = ()
+    ranks: str = EACH
+    title: str | Callable[[int], str] = ""  # or the title for a run of so many ranks
+    xlabel: str = ""
+    ylabel: str = ""
+    legend: str | None = "top_right"  # where the legend goes; None: no legend
+    over: bool = False  # EACH: thick rank curves under a thin dashed mean
+    draw: str = CURVES
+    x_of: Callable[[Any], float] | None = None
+
+    def x_value(self, event: Event) -> float:
+        """The event's x in this plot."""
+        return self.x_of(event) if self.x_of is not None else getattr(event, self.x)
+
+    def title_for(self, ranks: int) -> str:
+        """The title of this plot for a run of `ranks` ranks."""
+        return self.title(ranks) if callable(self.title) else self.title
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether the plot has a curve per rank (redrawn for a run of other ranks)."""
+        return self.feed is not None and self.ranks == EACH
+
+    def takes(self, event: Event) -> bool:
+        """Whether `event` feeds this plot."""
+        return type(event) is self.feed and (self.ranks != RANK0 or event.rank == 0)
+
+
+def _divergence_title(ranks: int) -> str:
+    # One rank has nothing to diverge from: its flat zero is said in the title.
+    return "Divergence: 0 with one rank" if ranks == 1 else "Divergence per rank"
+
+
+LIVE_PLOTS: tuple[LivePlot, ...] = (
+    LivePlot("loss", MinibatchDone, "step", (Series("loss", "loss", lambda e: e.loss),),
+             title="Training loss per rank", xlabel="step (minibatches)",
+             ylabel="loss (nats/frame)"),
+    LivePlot("divergence", Averaged, "round", (Series("div", "divergence", lambda e: e.divergence),),
+             title=_divergence_title, xlabel="averaging round", ylabel="relative RMS distance",
+             over=True),
+    LivePlot("speedup", None, "ranks", draw=SPEEDUP),
+    LivePlot("times", Averaged, "round",
+             (Series("compute_s", "compute", lambda e: e.compute_seconds, {"color": "#1f77b4"}),
+              Series("comm_s", "communication", lambda e: e.comm_seconds, {"color": "#d62728"})),
+             ranks=MEAN, title="Compute vs comm", xlabel="averaging round",
+             ylabel="seconds per round", legend="top_left"),
+    LivePlot("fps", Averaged, "round",
+             (Series("frames_per_s", "all ranks", lambda e: e.frames_per_second, {"color": "#2ca02c"}),),
+             ranks=SUM, title="Frames/s (all ranks)", xlabel="averaging round", ylabel="frames/s",
+             legend=None),
+    LivePlot("cv", EpochDone, "epoch",
+             (Series("cv_acc_pct", "CV", lambda e: 100 * e.cv_frame_accuracy),
+              Series("train_acc_pct", "train", lambda e: 100 * e.train_frame_accuracy)),
+             ranks=RANK0, draw=ACCURACY, x_of=lambda e: e.epoch + 1),
+)
