@@ -239,7 +239,7 @@ def test_bmuf_run_resumed_after_a_node_round_matches_uninterrupted(corpus, tmp_p
     _until_checkpoint(cfg, 6)
     assert checkpoint.latest_step(tmp_path / "run") == (6, 4)
     saved = [checkpoint.load_rank_state(tmp_path / "run", 6, r) for r in range(4)]
-    params = [s.params for s in saved]
+    params = [s["params"] for s in saved]
     assert torch.equal(params[0], params[1]) and not torch.equal(params[0], params[2])
     # The outer step starts from the global model of the last all round, not the node's.
     assert torch.equal(saved[0]["averager"]["hierarchy_global"],
