@@ -24,13 +24,13 @@ import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from labavg.base.errors import UserError
 from labavg.base.events import Event
 from labavg.base.waiting import Deadline, wait_until
 from labavg.jobs.job_run import JobRun
-from labavg.jobs.run_json import RunSummary, as_summary
+from labavg.jobs.run_json import RunSummary
 from labavg.training.config import TrainConfig, validate
 
 LAUNCHERS = ("threads", "job", "engines", "slurm")
@@ -97,7 +97,7 @@ class ThreadRun:
         self.cfg = cfg
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._summary: Any = None  # what run_training returned (as_summary reads either form)
+        self._summary: RunSummary | None = None
         self._error: BaseException | None = None
         self._drained = False  # events() has taken the run's last event
         # In a copy of this context, so that what the run prints goes where its starter's
@@ -139,7 +139,7 @@ class ThreadRun:
         _join(self._thread, timeout, self.cfg.out)
         if self._error is not None:
             raise self._error
-        return None if self._summary is None else as_summary(self._summary)
+        return self._summary
 
     def stop(self) -> None:
         self._stop.set()
