@@ -18,7 +18,7 @@ import torch
 
 from labavg.averaging.methods import Averager, BMUFAverager, DiLoCoAverager
 
-from labavg.averaging.factory import make_averager
+from labavg.averaging.factory import make_averager, make_pretraining_averager
 from labavg.comm.inproc import run_inproc
 from labavg.averaging.registry import BMUFConfig, DiLoCoConfig
 from labavg.training.config import TrainConfig, estimate_memory, load_config, validate
@@ -290,6 +290,20 @@ def test_make_averager_follows_the_settings():
         assert type(make_averager(cfg.averaging, cfg.minibatch, flat, comm)) is Averager
 
     run_inproc(1, work)
+
+
+def test_pretraining_averages_plainly_without_a_global_copy():
+    # RBM pretraining's averager comes from the factory too: plain averaging every K RBM
+    # minibatches with the run's reduce, and no global model to fall back on.
+    def work(comm):
+        flat = torch.full((3,), float(comm.rank))
+        averager = make_pretraining_averager(flat, comm, 5, "ring")
+        averager.round(flat)
+        return type(averager), averager.average_every, averager.reduce, averager.global_model, flat
+
+    for kind, k, reduce, kept, flat in run_inproc(2, work):
+        assert (kind, k, reduce, kept) == (Averager, 5, "ring", None)
+        assert torch.equal(flat, torch.full((3,), 0.5))
 
 
 # --- training: identities, resume ---------------------------------------------------------------

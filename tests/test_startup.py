@@ -131,3 +131,14 @@ def test_a_declared_class_registers_as_itself_and_no_other():
     with pytest.raises(ValueError, match=r"'bmuf' is already registered "
                                          r"\(labavg.averaging.methods:BMUFAverager\)"):
         register(Impostor)
+
+
+def test_each_knob_names_a_setting_of_its_table():
+    # The dashboard's method box sets the declared knob: a method with one has a table with it.
+    import dataclasses
+
+    knobs = {name: m.knob_key() for name, m in METHODS.items()}
+    assert knobs["model"] is None and knobs["bmuf"] == "averaging.bmuf.momentum"
+    for m in METHODS.values():
+        if m.knob is not None:
+            assert m.knob in {f.name for f in dataclasses.fields(m.settings)}, m.method
