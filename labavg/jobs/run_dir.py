@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +135,21 @@ class RunDirBusy(UserError):
     """The run directory is locked by another live job."""
 
 
+# The run directories whose lock this context holds: a run started inside (on this thread, or
+# on the threads a run starts, which carry their starter's context) finds its lock held here.
+# Not os.environ: sweeps on threads of one process (the reproduction) each hold their own.
+_HELD_HERE: ContextVar[frozenset[str]] = ContextVar("labavg_run_dirs_held", default=frozenset())
+
+
 @contextmanager
 def lock_held(run_dir: Path) -> Iterator[None]:
-    """Tell jobs started inside (in this process or its children) that the lock is held here."""
-    before = os.environ.get(LOCK_HELD_ENV)
-    os.environ[LOCK_HELD_ENV] = str(Path(run_dir).resolve())
+    """Tell runs started inside this context that the lock is held here (a job's processes
+    are told by their environment, LOCK_HELD_ENV, which labavg.jobs.job_run sets)."""
+    token = _HELD_HERE.set(_HELD_HERE.get() | {str(Path(run_dir).resolve())})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(LOCK_HELD_ENV, None)
-        else:
-            os.environ[LOCK_HELD_ENV] = before
+        _HELD_HERE.reset(token)
 
 
 @contextmanager
@@ -159,7 +163,8 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """
     run_dir = Path(run_dir)
     resolved = str(run_dir.resolve())
-    if os.environ.get(LOCK_HELD_ENV) == resolved or launcher_rank() != 0:
+    if (resolved in _HELD_HERE.get() or os.environ.get(LOCK_HELD_ENV) == resolved
+            or launcher_rank() != 0):
         yield
         return
     if run_dir.exists() and not run_dir.is_dir():
