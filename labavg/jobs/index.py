@@ -99,10 +99,11 @@ class RunRecord:
 
 def read_run(run_dir: Path) -> RunRecord:
     """A run directory read back once: its summary.json as a RunSummary (None until the run
-    has ended) and its settings (config.json, or, where that is missing or damaged, the
-    settings the summary holds). UserError naming the file when there are no settings to
-    read (the summary's damage first); a damaged summary.json is kept in `damaged`, so that
-    a list of runs still shows the run's settings."""
+    has ended) and its settings (config.json, or, without one, the settings the summary
+    holds). UserError naming the file when the settings cannot be read (the summary's damage
+    first, then config.json's: missing, damaged or from an older labavg); a damaged
+    summary.json beside readable settings is kept in `damaged`, so that a list of runs still
+    shows the run's settings."""
     run_dir = Path(run_dir)
     summary, damaged = None, None
     try:
@@ -114,14 +115,13 @@ def read_run(run_dir: Path) -> RunRecord:
     try:
         config = read_run_config(run_dir / CONFIG)
     except (FileNotFoundError, UserError) as exc:
-        if summary is not None and summary.config is not None:
-            config = summary.config  # what the run trained with, as its summary records it
-        elif damaged is not None:
+        if damaged is not None:
             raise UserError(damaged) from None  # the summary's damage first, as `labavg info` reads
-        elif isinstance(exc, FileNotFoundError):
-            raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
-        else:
+        if not isinstance(exc, FileNotFoundError):
             raise
+        if summary is None or summary.config is None:
+            raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
+        config = summary.config  # what the run trained with, as its summary records it
     return RunRecord(run_dir, config, summary, damaged)
 
 
