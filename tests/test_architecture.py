@@ -228,3 +228,144 @@ def test_the_run_dict_check_catches_what_it_is_for():
                'ok = summary.average_every, cfg.average_interval(), events["type"]\n'
                'also = config.get(key)\n')
     assert _run_dict_reads(planted) == [1, 2, 3]
+
+
+# -- no second door: the library never re-enters the command line, and one place builds
+# averagers. Neither shows in the import graph: a `python -m labavg` is a string, and building
+# an averager needs only its class.
+
+# Where processes are started on purpose: a job's launcher and its ranks (labavg/jobs/), the
+# process groups' own launchers (labavg/comm/).
+PROCESS_OWNERS = ("labavg/jobs/", "labavg/comm/")
+SOURCES = ("labavg/**/*.py", "dashboard/**/*.py")
+# The calls that start a process with an argument list or a command line.
+PROCESS_CALLS = {"Popen", "run", "call", "check_call", "check_output", "getoutput",
+                 "getstatusoutput", "system", "popen", "create_subprocess_exec",
+                 "create_subprocess_shell", "execv", "execve", "execvp", "execvpe", "execl",
+                 "execlp", "spawnv", "spawnvp", "spawnl", "spawnlp"}
+
+
+def _texts(node: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)]
+
+
+def _names_labavg(texts: list[str]) -> bool:
+    """Whether an argument list or command line runs labavg: its console script (`labavg`, as
+    argv[0] or a command line's first word) or its modules (`-m labavg`, `-m labavg.x`)."""
+    words = [w for text in texts for w in text.split()]
+    modules = any(a == "-m" and b.split(".")[0] == "labavg" for a, b in zip(words, words[1:]))
+    return modules or any(text.split()[:1] == ["labavg"] for text in texts)
+
+
+def labavg_subprocesses(source: str) -> list[int]:
+    """Lines of `source` that start a process running labavg. An argument list held in a
+    variable counts with what the module assigns to that name."""
+    tree = ast.parse(source)
+    assigned: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and node.value is not None:
+                    assigned.setdefault(target.id, []).extend(_texts(node.value))
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name not in PROCESS_CALLS:
+            continue
+        argv = [*node.args, *(k.value for k in node.keywords if k.arg in ("args", "cmd"))]
+        texts = [t for a in argv for t in _texts(a)]
+        texts += [t for a in argv for n in ast.walk(a) if isinstance(n, ast.Name)
+                  for t in assigned.get(n.id, [])]
+        if _names_labavg(texts):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def _source_files(root: Path) -> list[Path]:
+    return sorted({p for pattern in SOURCES for p in root.glob(pattern)})
+
+
+def test_no_subprocess_of_labavg_outside_jobs_and_comm():
+    found = [f"{where}:{line}" for path in _source_files(REPO)
+             if not (where := str(path.relative_to(REPO))).startswith(PROCESS_OWNERS)
+             for line in labavg_subprocesses(path.read_text())]
+    assert not found, ("a process of labavg started outside labavg/jobs and labavg/comm (call "
+                       "the library, or start a run through labavg.jobs.launch.start_run):\n"
+                       + "\n".join(found))
+
+
+def test_the_subprocess_check_catches_what_it_is_for():
+    # the reproduction's sweeps before issue 42, as labavg/studies/reproduction/pipeline.py had them
+    assert labavg_subprocesses(
+        'proc = subprocess.Popen([sys.executable, "-m", "labavg", "sweep", str(file.resolve()),\n'
+        '                         "--out", str(out.resolve()), *recorded], cwd=cwd, stdout=log,\n'
+        '                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)\n') == [1]
+    assert labavg_subprocesses('cmd = [sys.executable, "-m", "labavg.cli.main", "train"]\n'
+                               'x = 1\n'
+                               'subprocess.run(cmd, check=True)\n') == [3]
+    assert labavg_subprocesses('os.system("labavg info runs")\n'
+                               'subprocess.check_output(["labavg", "info"])\n') == [1, 2]
+    assert labavg_subprocesses('subprocess.run(command, shell=True)\n'  # a Kaldi pipe
+                               'subprocess.run(["python", "-m", "labavgx"])\n'
+                               'print("labavg sweep")\n') == []
+
+
+# Builds a run's averager, and the RBM pretraining's: nowhere else in the library.
+AVERAGER_FACTORY = "labavg/averaging/factory.py"
+
+
+def _averager_classes() -> set[str]:
+    """Every averager class: the classes of labavg/averaging/ named *Averager, and each
+    declared method's class (registry.methods()'s `where`, "module:Class")."""
+    from labavg.averaging.registry import methods
+
+    names = {node.name for path in (REPO / "labavg" / "averaging").glob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ClassDef) and node.name.endswith("Averager")}
+    for method in methods().values():
+        where = method.where if isinstance(method.where, str) else method.where.__name__
+        names.add(where.rpartition(":")[2])
+    return names
+
+
+def averagers_built(source: str, classes: set[str]) -> list[str]:
+    """Where `source` builds an averager: calls one of `classes`, or a method's
+    `averager_class()` ("line: name")."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in classes or name == "averager_class":
+                found.append((node.lineno, name))
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def test_one_place_builds_averagers():
+    classes = _averager_classes()
+    assert {"Averager", "BMUFAverager", "DiLoCoAverager", "HierarchicalAverager",
+            "OverlapAverager"} <= classes
+    found = [f"{where}:{hit}" for path in _source_files(REPO)
+             if (where := str(path.relative_to(REPO))) != AVERAGER_FACTORY
+             for hit in averagers_built(path.read_text(), classes)]
+    assert not found, (f"an averager built outside {AVERAGER_FACTORY} (make_averager, "
+                       "make_pretraining_averager):\n" + "\n".join(found))
+
+
+def test_the_averager_check_catches_what_it_is_for():
+    classes = _averager_classes()
+    planted = ("from labavg.averaging.methods import Averager\n"
+               "averager = Averager(flat, comm, every, restore=False)\n"
+               "other = methods()['bmuf'].averager_class()(flat, comm, 4)\n"
+               "wrapped = hierarchy.HierarchicalAverager(averager, node, 8)\n"
+               "fine = make_averager(plan, 64, flat, comm)\n"
+               "class Mine(Averager):\n"
+               "    def __init__(self, *a):\n"
+               "        super().__init__(*a)\n")
+    assert averagers_built(planted, classes) == [
+        "2: Averager", "3: averager_class", "4: HierarchicalAverager"]
