@@ -84,11 +84,11 @@ class LiveRun(param.Parameterized):
             self.status = f"Cannot start: {exc}"
             return False
         backend = settings.backend
-        self._reset(cfg.ranks, to_dict(cfg), str(out), "live")
-        job = Job(str(out), self.config)
+        job = Job(str(out), to_dict(cfg))
         if self._refused_beside(None if self.jobs.add(job) else self.jobs.active()):
             return False
         self.own, self._job = True, job
+        self._reset(cfg.ranks, job.config, str(out), "live")
         # In-process workers are threads of one job process, never of this server's.
         launcher = "job" if backend == "in-process workers" else "engines"
         self.running = True
@@ -206,8 +206,8 @@ class LiveRun(param.Parameterized):
         # is known at once (the page's settings show it); a foreign run's comes with its log.
         config = dict(job.config) if job is not None else {}
         ranks = config_from_dict(config, f"{run_dir}: config").ranks if config else 1
+        self.own, self._job = False, job  # before the new config is announced: it is the server's
         self._reset(ranks, config, str(run_dir), "monitor")
-        self.own, self._job = False, job
         ended = job is not None and (run_dir / SUMMARY).is_file()
         # An ended run is read in, not followed: Start stays on and Stop off meanwhile.
         self.running = not ended

@@ -127,6 +127,8 @@ class LivePlots(pn.viewable.Viewer):
         self._speedup_shown: RunSpeedup | None = None
         self.figures: dict[str, Any] = {}
         self._build(live.buffers.ranks, every=True)
+        # The old run's curves go the moment a new run replaces it, not at the next flush.
+        pn.bind(lambda _: self._new_run(), live.param.generation, watch=True)
         self._show_speedup()
 
     def _new_run(self) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,9 @@ from labavg.training.config import TrainConfig, check_setting
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
 from labavg.jobs.summary import format_table
-from labavg.jobs.index import read_events
-from labavg.jobs.run_json import as_summary
+from labavg.base.events import Averaged
+from labavg.jobs.index import read_run_events
+from labavg.jobs.run_json import RunSummary, as_summary
 from labavg.jobs.launch import start_run
 
 K_KEY = "averaging.average_every"
@@ -62,11 +64,10 @@ def box_errors(average_every: Any, lr: Any) -> dict[str, str]:
 
 def divergence_curve(run_dir: str | Path, label: str, color: str) -> hv.Curve:
     """Rank 0's divergence before each averaging round, by step (minibatches per worker)."""
-    events = pd.DataFrame(read_events(run_dir))
-    rounds = events[(events["type"] == "average") & (events["rank"] == 0)] if len(events) else events
-    if not len(rounds):
-        rounds = pd.DataFrame({"step": [], "divergence": []})
-    return hv.Curve(rounds, "step", "divergence", label=label).opts(color=color)
+    rounds = [e for e in read_run_events(Path(run_dir)) if isinstance(e, Averaged) and e.rank == 0]
+    frame = pd.DataFrame({"step": [e.step for e in rounds],
+                          "divergence": [e.divergence for e in rounds]})
+    return hv.Curve(frame, "step", "divergence", label=label).opts(color=color)
 
 
 def divergence_overlay(runs: list[tuple[str, dict[str, Any]]]) -> hv.Overlay:
@@ -116,16 +117,19 @@ class RerunControl(pn.viewable.Viewer):
             shown.run()
         return shown
 
-    def add(self, run_dir: str | Path, summary: dict[str, Any], label: str | None = None) -> None:
-        """Show a run made elsewhere (e.g. the notebook's first run) for comparison."""
+    def add(self, run_dir: str | Path, summary: RunSummary | Mapping[str, Any],
+            label: str | None = None) -> None:
+        """Show a run made elsewhere (e.g. the notebook's first run, `run_training`'s summary
+        or summary.json's object) for comparison."""
         typed = as_summary(summary)
         lr = typed.config.lr if typed.config is not None else typed.lr
         label = label or f"K={typed.average_every}, lr {lr:g}"
-        self.runs = [*self.runs, (label, {**summary, "run": label, "run_dir": str(run_dir)})]
+        values = typed.to_dict() if isinstance(summary, RunSummary) else dict(summary)
+        self.runs = [*self.runs, (label, {**values, "run": label, "run_dir": str(run_dir)})]
 
     def run(self, average_every: int | None = None, lr: float | None = None) -> dict[str, Any]:
         """Train the base configuration with this K and learning rate (the base's when None)
-        and return its summary; every view shows it when it is done."""
+        and return its summary (summary.json's object); every view shows it when it is done."""
         result: dict[str, Any] = {}
         thread = self.start(average_every, lr, result)
         thread.join()
@@ -170,7 +174,7 @@ class RerunControl(pn.viewable.Viewer):
         try:
             self.busy = True
             self.status = f"training {run_label(cfg)} on {cfg.ranks} {cfg.backend} ranks ..."
-            summary = start_run(cfg, cluster=self.cluster).wait()
+            done = start_run(cfg, cluster=self.cluster).result()
         except Exception as exc:  # noqa: BLE001 - said under the boxes, and raised by run()
             result["error"] = exc
             self.status = f"**the run failed:** {exc}"
@@ -178,7 +182,7 @@ class RerunControl(pn.viewable.Viewer):
         finally:
             self.busy = False
             self._lock.release()
-        done = as_summary(summary)
+        summary = done.to_dict()  # summary.json's object: what the notebook's tables take
         self.status = (f"{run_label(cfg)}: CV frame accuracy "
                        f"{100 * done.cv_frame_accuracy:.2f} % in {done.wall_seconds:.0f} s")
         self.add(out, summary, run_label(cfg))

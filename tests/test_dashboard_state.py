@@ -31,6 +31,8 @@ from dashboard.settings import _default as _setting_default
 from labavg.training.config import TrainConfig, config_from_dict, preset_config, validate
 from labavg.base.settings import with_overrides
 from labavg.base.errors import UserError
+from dashboard.jobs import JobRegistry
+from labavg.base.events import MinibatchDone
 from labavg.jobs.index import EventTail
 
 
@@ -53,13 +55,22 @@ def tiny_settings(corpus: Path, runs: Path, **values) -> RunSettings:
 
 
 def run_to_end(live: LiveRun, timeout: float = 60.0) -> None:
-    """Drain like the UI's periodic callback until the run has ended."""
+    """Drain like the page's flush until the run has ended."""
     deadline = time.monotonic() + timeout
     while live.running:
         assert time.monotonic() < deadline, f"run did not end: {live.status}"
         live.drain()
         time.sleep(0.05)
     live.drain()
+
+
+def until(live: LiveRun, condition, timeout: float = 60.0) -> None:
+    """Drain like the page's flush until `condition()` holds (a worker thread reads the run)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached: {live.status}"
+        live.drain()
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +176,13 @@ def test_in_a_notebook_the_page_is_a_plain_layout_with_its_resources_inline(corp
     assert page.dashboard.settings.errors == {}
 
 
-def test_the_inline_dashboard_shows_the_notebooks_newest_run_not_idle(finished_runs, monkeypatch):
+def test_the_inline_dashboard_shows_the_notebooks_newest_run_not_idle(finished_runs):
     # labavg issue 41: below notebook 03's first run its inline dashboard said "Idle · No run
     # on screen": a notebook's runs are not jobs of the page (none of this process here).
     from dashboard.app import create_app
 
-    monkeypatch.setattr("dashboard.live._LAST", [])
     runs, (_, three) = finished_runs
-    page = create_app(runs_dir=str(runs), inline=True)
+    page = create_app(runs_dir=str(runs), inline=True, jobs=JobRegistry())  # no run of its own
     live = page.dashboard.live
     assert live.run_dir == three.run_dir, "the newest run of the runs directory"
     run_to_end(live)
@@ -329,18 +339,20 @@ def test_live_run_fills_every_ranks_buffers(finished_runs):
     _, (_, three) = finished_runs
     buffers = three.buffers
     assert buffers.ranks == 3
-    steps = buffers.finished["step"]
+    steps = buffers.finished.step
     assert steps > 5
     for rank in range(3):
-        points = list(buffers.loss.points[rank])
+        points = list(buffers.of("loss").points[rank])
         assert [x for x, _ in points] == list(range(1, steps + 1))
         assert all(0 < y < 10 for _, y in points)  # cross-entropy of 120 pdfs starts near ln 120
-    assert buffers.divergence.points[0] and all(d >= 0 for _, d in buffers.divergence.points[2])
-    assert len(buffers.cv) == 1 and 0 <= buffers.cv[0][1] <= 1
-    rows = buffers.loss.take()  # complete rows: step, 3 ranks, mean
+    divergence = buffers.of("divergence").points
+    assert divergence[0] and all(d >= 0 for _, d in divergence[2])
+    cv = list(buffers.of("cv").points[0])  # (epoch + 1, CV frame accuracy %)
+    assert cv[0][0] == 1 and len(cv) == 1 and 0 <= cv[0][1] <= 100
+    rows = buffers.of("loss").take()  # complete rows: step, 3 ranks, mean
     assert len(rows) == steps and len(rows[0]) == 5
     assert rows[0][4] == pytest.approx(sum(rows[0][1:4]) / 3)
-    assert three.status.startswith("Finished:") and three.summary["ranks"] == 3
+    assert three.status.startswith("Finished:") and three.summary.ranks == 3
     assert three.config["ranks"] == 3 and "K=4" in describe_config(three.config)
     assert (Path(three.run_dir) / "summary.json").is_file()
 
@@ -377,17 +389,17 @@ def test_plots_of_the_last_run_go_the_moment_a_new_one_starts(finished_runs, cor
     live = LiveRun()
     plots = LivePlots(live)
     live.follow(three.run_dir)
-    live.drain()
+    until(live, lambda: not live.running)
     for _ in range(5):
-        plots.update()
+        plots.stream()
     plots.panes["cv"].get_root()  # as a page shows it
     [source] = plots.loss.sources["loss_r0"]
-    assert len(source.data["loss_r0"]) == three.buffers.finished["step"]
+    assert len(source.data["loss_r0"]) == three.buffers.finished.step
     assert live.start(tiny_settings(corpus, tmp_path, ranks=3)), live.status
     try:
         # No drain and no update yet: starting alone emptied the plots.
         assert len(plots.loss.data) == 0 and len(source.data["loss_r0"]) == 0
-        assert len(plots.cv_pipe.data) == 0
+        assert len(plots.cv.data) == 0
     finally:
         run_to_end(live)
 
@@ -411,7 +423,7 @@ def test_stop_ends_the_run_early(corpus, tmp_path):
     assert live.speedup().note.startswith("Not measured: the run ended before its first pair")
     per_epoch = summary["steps"]
     assert summary["stopped"] is True
-    assert live.buffers.finished["step"] < 10 * per_epoch  # 50 epochs planned
+    assert live.buffers.finished.step < 10 * per_epoch  # 50 epochs planned
     assert live.status.startswith("Stopped:")
     assert not live.running
 
@@ -511,17 +523,15 @@ def three_corpus(live: LiveRun) -> Path:
 def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_path):
     """A reload is a new session: it finds the run the server is training, refuses a second
     Start beside it, and its Stop stops that run."""
-    from dashboard.live import active_job
-
     first = LiveRun()
     assert first.start(tiny_settings(corpus, tmp_path, epochs=50))
-    second = LiveRun()
+    second = LiveRun(jobs=first.jobs)  # a page of the same server
     try:
         assert second.attach() and second.running and second.mode == "monitor"
         assert second.run_dir == first.run_dir and "started from another page" in second.status
         assert second.start(tiny_settings(corpus, tmp_path)) is False
         assert "already in progress" in second.status
-        third = LiveRun()  # a page that has not attached yet: Start shows the run instead
+        third = LiveRun(jobs=first.jobs)  # a page that has not attached yet: Start shows the run
         assert third.start(tiny_settings(corpus, tmp_path)) is False
         assert "started from another page" in third.status and third.run_dir == first.run_dir
         deadline = time.monotonic() + 60
@@ -543,7 +553,8 @@ def test_another_page_attaches_to_the_servers_run_and_can_stop_it(corpus, tmp_pa
         first.join(60)
     assert json.loads((Path(first.run_dir) / "summary.json").read_text())["stopped"] is True
     assert second.status.startswith("Stopped:") and first.status.startswith("Stopped:")
-    assert active_job() is None and not second.attach()
+    assert first.jobs.active() is None and not second.attach()
+    assert LiveRun().jobs.last() is None  # another server's registry knows none of it
 
 
 def test_a_closed_page_stops_queueing_its_runs_events_and_the_run_goes_on(corpus, tmp_path):
@@ -561,13 +572,13 @@ def test_a_closed_page_stops_queueing_its_runs_events_and_the_run_goes_on(corpus
     settings = tiny_settings(corpus, tmp_path, epochs=3)
     assert live.start(settings), live.status
     deadline = time.monotonic() + 60
-    while live._events.empty():
+    while live._inbox.empty():
         assert time.monotonic() < deadline, live.status
         time.sleep(0.02)
     for callback in doc.session_destroyed_callbacks:  # what the server does when the page goes
         callback(None)
     assert live.join(120)
-    assert live._events.empty()
+    assert live._inbox.empty()
     summary = json.loads((Path(live.run_dir) / "summary.json").read_text())
     assert summary["stopped"] is False and summary["steps"] > 0
 
@@ -611,18 +622,18 @@ def test_run_table_lists_runs_overlays_and_exports_csv(finished_runs):
     # Legends say what differs between the runs, not when they ran.
     assert [curves[r["run"]]["label"] for r in rows] == ["n1 K=2", "n3 K=4"]
     divergence = curves[rows[1]["run"]]["divergence"]
-    assert len(divergence) == len(three.buffers.divergence.points[0]) and max(divergence) > 0
+    assert len(divergence) == len(three.buffers.of("divergence").points[0]) and max(divergence) > 0
     assert curves[rows[1]["run"]]["div_frames"][0] == 4 * 64 * 3  # first round: K x minibatch x ranks
     for row, live in zip(rows, (one, three)):
         c = curves[row["run"]]
-        assert len(c["loss"]) == live.buffers.finished["step"]
+        assert len(c["loss"]) == live.buffers.finished.step
         assert c["frames"][0] == 64 * row["ranks"]  # step 1 x minibatch x ranks
-        assert c["cv_acc_pct"] == pytest.approx([100 * live.buffers.cv[0][1]])
+        assert c["cv_acc_pct"] == pytest.approx([live.buffers.of("cv").points[0][0][1]])
 
     parsed = list(csv.DictReader(io.StringIO(table.to_csv())))
     assert [p["run"] for p in parsed] == [r["run"] for r in rows]
-    assert float(parsed[1]["wall_seconds"]) == pytest.approx(three.summary["wall_seconds"], rel=1e-5)  # 6 digits
-    assert float(parsed[0]["cv_acc_pct"]) == pytest.approx(100 * one.summary["cv_frame_accuracy"], abs=0.01)
+    assert float(parsed[1]["wall_seconds"]) == pytest.approx(three.summary.wall_seconds, rel=1e-5)  # 6 digits
+    assert float(parsed[0]["cv_acc_pct"]) == pytest.approx(100 * one.summary.cv_frame_accuracy, abs=0.01)
     # As the table shows them: efficiency a percentage, numbers to six significant digits.
     assert float(parsed[1]["efficiency_pct"]) == pytest.approx(rows[1]["efficiency_pct"], rel=1e-5)
     assert parsed[1]["speedup_note"] == rows[1]["speedup_note"]
@@ -640,12 +651,12 @@ def test_communication_view_plots_what_each_multi_rank_run_sent(finished_runs):
     assert [r["averaging"] for r in rows] == ["model", "model"]
     # One rank averages nothing: it sends no bytes and is not a point of the view.
     assert rows[0]["mb_sent"] is None or rows[0]["mb_sent"] == 0
-    assert rows[1]["mb_sent"] == pytest.approx(three.summary["bytes_sent"] / 1e6, rel=1e-5)  # 6 digits
-    assert three.summary["bytes_sent"] == (
-        three.summary["bytes_per_round"] * three.summary["averaging_rounds"])
+    assert rows[1]["mb_sent"] == pytest.approx(three.summary.bytes_sent / 1e6, rel=1e-5)  # 6 digits
+    assert three.summary.bytes_sent == (
+        three.summary.bytes_per_round * three.summary.averaging_rounds)
     points = table.communication()
     assert [(p["method"], p["ranks"], p["K"]) for p in points] == [("model", 3, 4)]
-    assert points[0]["cv_acc_pct"] == pytest.approx(100 * three.summary["cv_frame_accuracy"], abs=0.01)
+    assert points[0]["cv_acc_pct"] == pytest.approx(100 * three.summary.cv_frame_accuracy, abs=0.01)
     layout = communication_plot([*points, {**points[0], "method": "bmuf", "mb_sent": 2.0,
                                            "run": "other"}])
     accuracy, wer = layout
@@ -669,6 +680,7 @@ def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_p
     target.mkdir()
     live = LiveRun()
     assert live.follow(target) and live.mode == "monitor"
+    time.sleep(0.5)
     live.drain()
     assert not live.config  # no config.json yet: waiting
     shutil.copy(source / "config.json", target / "config.json")
@@ -677,18 +689,20 @@ def test_monitor_mode_follows_a_run_directory_being_written(finished_runs, tmp_p
         f.writelines(lines[:half])
         f.write(lines[half][:7])  # a line still being written
         f.flush()
-        live.drain()
-        assert live.buffers.ranks == 3 and live.config["ranks"] == 3
-        seen = sum(len(p) for p in live.buffers.loss.points)
         expected = sum(json.loads(line)["type"] == "minibatch" for line in lines[:half])
-        assert seen == expected
+        until(live, lambda: sum(len(p) for p in live.buffers.of("loss").points) >= expected)
+        assert live.buffers.ranks == 3 and live.config["ranks"] == 3
+        time.sleep(0.5)  # the follower reads again: the line being written stays out
+        live.drain()
+        assert sum(len(p) for p in live.buffers.of("loss").points) == expected
         f.write(lines[half][7:])
         f.writelines(lines[half + 1:])
     assert live.running
     shutil.copy(source / "summary.json", target / "summary.json")
-    live.drain()
-    assert [len(p) for p in live.buffers.loss.points] == [len(p) for p in three.buffers.loss.points]
-    assert live.buffers.finished["step"] == three.buffers.finished["step"]
+    until(live, lambda: not live.running)
+    assert [len(p) for p in live.buffers.of("loss").points] == [
+        len(p) for p in three.buffers.of("loss").points]
+    assert live.buffers.finished.step == three.buffers.finished.step
     assert not live.running and live.status.startswith("Finished:")
 
 
@@ -701,11 +715,12 @@ def test_following_one_finished_run_then_another_fills_the_plots_of_their_ranks(
     dashboard = Dashboard(runs_dir=str(runs))
     for _ in range(2):
         assert dashboard.live.follow(three.run_dir)
-        for _ in range(12):  # the page's periodic updates
-            dashboard.tick()
+        until(dashboard.live, lambda: not dashboard.live.running)
+        for _ in range(12):  # the page's flushes
+            dashboard.flush()
         plots = dashboard.plots
         assert plots.ranks == 3 and plots.divergence.element.title.text == "Divergence per rank"
-        for rank, points in enumerate(three.buffers.loss.points):
+        for rank, points in enumerate(three.buffers.of("loss").points):
             assert len(plots.loss.sources[f"loss_r{rank}"][0].data["step"]) == len(points) > 0
 
 
@@ -735,9 +750,10 @@ def test_buffers_are_bounded():
     buffers = RunBuffers(ranks=32, maxlen=5000)
     for step in range(1, 6001):
         for rank in range(32):
-            buffers.add({"type": "minibatch", "rank": rank, "step": step, "loss": 1.0})
-    assert all(len(p) == 5000 for p in buffers.loss.points)
-    assert len(buffers.loss.take()) == 5000
+            buffers.add(MinibatchDone(rank=rank, epoch=0, step=step, loss=1.0, frame_accuracy=0.5,
+                                      frames=64, lr=0.008, applied=True, max_change_scale=1.0))
+    assert all(len(p) == 5000 for p in buffers.of("loss").points)
+    assert len(buffers.of("loss").take()) == 5000
 
 
 def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
@@ -747,15 +763,16 @@ def test_live_plots_stream_rows_into_bounded_buffers(finished_runs):
     live = LiveRun(maxlen=10)
     live.follow(three.run_dir)
     plots = LivePlots(live, maxlen=10)
-    live.drain()
-    sent = [plots.update() for _ in range(5)]  # a few updates pass while new plots settle
+    until(live, lambda: not live.running)
+    sent = [plots.stream() for _ in range(5)]  # a few flushes pass while new plots settle
     assert sum(sent) > 0
     data = plots.loss.data
     assert list(data.columns) == ["step", "loss_r0", "loss_r1", "loss_r2", "loss_mean"]
-    steps = three.buffers.finished["step"]
+    steps = three.buffers.finished.step
     assert len(data) == 10 and data["step"].tolist() == list(range(steps - 9, steps + 1))
     assert plots.fps.data["frames_per_s"].gt(0).all() and len(plots.times.data) == len(plots.fps.data)
-    assert plots.cv_pipe.data["cv_acc_pct"].tolist() == pytest.approx([100 * three.buffers.cv[0][1]])
+    assert plots.cv.data["cv_acc_pct"].tolist() == pytest.approx(
+        [100 * three.summary.cv_frame_accuracy])
 
 
 def test_labavg_dashboard_command_serves_the_app(tmp_path):
@@ -798,12 +815,12 @@ def test_average_every_frames_shows_the_effective_k_everywhere(corpus, tmp_path)
     assert "K=4" in live.status and Path(live.run_dir).name.endswith("-n1-k4")
     assert "K=4 ·" in describe_config(live.config)
     run_to_end(live)
-    assert live.summary["average_every"] == 4
+    assert live.summary.average_every == 4
     [row] = RunTable(runs_dir=str(tmp_path / "runs")).refresh()
     assert row["average_every"] == 4
     from labavg.jobs.summary import format_table
 
-    header, _, line = format_table([{"run": "r", **live.summary}]).splitlines()[:3]
+    header, _, line = format_table([{"run": "r", **live.summary.to_dict()}]).splitlines()[:3]
     cells = dict(zip(header.split("|"), line.split("|")))
     assert [cells[t].strip() for t in cells if t.strip() in ("ranks", "K")] == ["1", "4"]
 
@@ -824,7 +841,7 @@ def test_mpi_engines_say_they_are_starting_until_they_train(corpus, tmp_path):
     live.drain()
     # Until the first step arrives the page says the engines are starting, then what runs.
     assert live.status.startswith("Finished:"), live.status
-    assert {"Starting", "Finished:"} <= seen and live.summary["ranks"] == 2
+    assert {"Starting", "Finished:"} <= seen and live.summary.ranks == 2
 
 
 def test_a_run_started_from_the_page_trains_in_a_job_process_not_the_servers(corpus, tmp_path):
@@ -841,7 +858,7 @@ def test_a_run_started_from_the_page_trains_in_a_job_process_not_the_servers(cor
     started = [e for e in read_events(Path(live.run_dir)) if e["type"] == "run_started"]
     assert {e["rank"] for e in started} == {0, 1}
     assert {e["pid"] for e in started} != {os.getpid()} and len({e["pid"] for e in started}) == 1
-    assert live.status.startswith("Finished:") and live.summary["ranks"] == 2
+    assert live.status.startswith("Finished:") and live.summary.ranks == 2
     assert not (Path(live.run_dir) / ".stop").exists()  # the job's own files are gone
 
 
@@ -886,7 +903,7 @@ def test_a_reload_shows_the_runs_settings_not_the_defaults(corpus, tmp_path):
     assert first.live.start(first.settings), first.live.status
     config = first.live.config
     try:
-        reload = Dashboard(runs_dir=str(tmp_path / "defaults"))
+        reload = Dashboard(runs_dir=str(tmp_path / "defaults"), jobs=first.live.jobs)
         assert reload.live.run_dir == first.live.run_dir and reload.live.running
         assert not reload.controls.stop_button.disabled and reload.controls.start_button.disabled
         shown = reload.settings
@@ -900,11 +917,11 @@ def test_a_reload_shows_the_runs_settings_not_the_defaults(corpus, tmp_path):
         first.live.stop()
         first.live.join(60)
         run_to_end(first.live)
-    after = Dashboard(runs_dir=str(tmp_path / "defaults"))
+    after = Dashboard(runs_dir=str(tmp_path / "defaults"), jobs=first.live.jobs)
     assert after.live.run_dir == first.live.run_dir and after.settings.hidden_dim == 24
     assert not after.live.running and after.controls.stop_button.disabled  # read in, not followed
     for _ in range(50):
-        after.tick()
+        after.flush()
         if after.live.mode == "idle":
             break
         time.sleep(0.05)
