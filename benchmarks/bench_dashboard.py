@@ -5,7 +5,7 @@
 
 Builds the real state (LiveRun) and plots (LivePlots) and renders them into a bokeh Document
 as a served page does, fills every curve to `--points` points, then times the periodic update
-(`LiveRun.drain` + `LivePlots.update`, what the page runs every 500 ms) while synthetic events
+(`LiveRun.drain` + `LivePlots.stream`, the page's flush every 500 ms) while synthetic events
 arrive: each tick brings `--steps-per-tick` minibatches and averaging rounds from every rank.
 The bokeh model changes are made and serialised to the JSON patches a browser would receive,
 so the time includes that; the browser's own drawing is not included.
@@ -28,6 +28,7 @@ from bokeh.document import Document  # noqa: E402
 from bokeh.protocol import Protocol  # noqa: E402
 
 from dashboard.live_view import LivePlots  # noqa: E402
+from labavg.base.events import event_from_dict  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def synthetic_events(ranks: int, first_step: int, steps: int, rng: np.random.Gen
 def feed(live: LiveRun, events: list[dict]) -> None:
     """Queue events as the training thread's on_event callback would."""
     for event in events:
-        live._events.put(event)  # noqa: SLF001 - the worker thread's side of the queue
+        live._inbox.put(event_from_dict(event))  # noqa: SLF001 - the worker thread's side
 
 
 def measure(ranks: int, points: int, ticks: int, steps_per_tick: int) -> dict:
@@ -59,7 +60,7 @@ def measure(ranks: int, points: int, ticks: int, steps_per_tick: int) -> dict:
     live = LiveRun(maxlen=points)
     live._reset(ranks, {"ranks": ranks}, "synthetic", "live")  # noqa: SLF001 - no real run
     plots = LivePlots(live, maxlen=points)
-    plots.update()
+    plots.stream()
     doc = Document()
     root = pn.Column(*plots.panes.values()).get_root(doc)
     doc.add_root(root)
@@ -70,7 +71,7 @@ def measure(ranks: int, points: int, ticks: int, steps_per_tick: int) -> dict:
     start = time.perf_counter()
     feed(live, synthetic_events(ranks, 1, points, rng))
     live.drain()
-    plots.update()
+    plots.stream()
     fill_seconds = time.perf_counter() - start
 
     latencies, sizes = [], []
@@ -81,13 +82,13 @@ def measure(ranks: int, points: int, ticks: int, steps_per_tick: int) -> dict:
         patches.clear()
         t0 = time.perf_counter()
         live.drain()
-        plots.update()
+        plots.stream()
         # What the server does next: serialise the model changes into one PATCH-DOC message.
         message = protocol.create("PATCH-DOC", list(patches)) if patches else None
         latencies.append(time.perf_counter() - t0)
         sizes.append(0 if message is None else
                      len(message.content_json) + sum(memoryview(b.data).nbytes for b in message.buffers))
-    curves = [len(p) for p in live.buffers.loss.points]
+    curves = [len(p) for p in live.buffers.of("loss").points]
     return {
         "ranks": ranks, "points_per_curve": points, "ticks": ticks, "steps_per_tick": steps_per_tick,
         "points_in_loss_buffers": curves[0], "rows_in_loss_plot": len(plots.loss.data),
