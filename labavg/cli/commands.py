@@ -88,7 +88,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from labavg.jobs.job_outcome import JobFailed
     from labavg.jobs.launch import start_run
     from labavg.jobs.rank_main import run_rank, said_by_rank_0
-    from labavg.jobs.run_json import as_summary
     from labavg.jobs.summary import format_runs
 
     progress = not args.no_progress
@@ -113,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         except JobFailed as exc:  # its ranks have said why (or, interrupted, that it was)
             return exc.code
     if summary is not None:
-        print(format_runs([(cfg.out, None, as_summary(summary))]))
+        print(format_runs([(cfg.out, None, summary)]))
         written = "events.jsonl, summary.json" + (", tensorboard/" if cfg.tensorboard else "")
         print(f"run directory: {cfg.out}  ({written})")
     return 0
