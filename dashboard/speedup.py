@@ -90,7 +90,7 @@ def live_speedup(buffers: RunBuffers, config: TrainConfig | None,
         measured = speedup_from_summary(summary)
         costs = summary_costs(summary)
     else:
-        measured = speedup_from_events([e.to_dict() for e in buffers.speedup_events()])
+        measured = speedup_from_events(buffers.speedup_events())
         costs = buffers.measured_costs(1 if config is None else config.minibatch)
         if costs is not None:
             costs = alone(costs, [p.solo_step_seconds for p in buffers.pairs])

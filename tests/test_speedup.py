@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labavg.jobs.index import list_runs, read_events
+from labavg.jobs.index import list_runs, read_events, read_run_events
 from labavg.jobs.runs import run_training
 from labavg.jobs.speedup import (measured_speedup, shared_bound, speedup_from_events,
                                  speedup_from_summary)
@@ -61,7 +61,7 @@ def test_pairs_leave_training_bitwise_unchanged_and_every_reader_agrees(corpus, 
     assert len(pairs) >= 3 and not _pairs(tmp_path / "off")
     assert all(p["parallel_steps"] >= max(3, p["solo_steps"]) for p in pairs)
     ratios = sorted(2 * p["solo_step_seconds"] / p["parallel_step_seconds"] for p in pairs)
-    from_events = speedup_from_events(read_events(tmp_path / "on"))
+    from_events = speedup_from_events(read_run_events(tmp_path / "on"))
     from_summary = speedup_from_summary(load_summary(tmp_path / "on"))
     assert from_events == from_summary
     assert (from_summary.low, from_summary.high) == (ratios[0], ratios[-1])

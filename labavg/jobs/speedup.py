@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from labavg.base.events import Event, RunStarted, SpeedupPair
 from labavg.jobs.run_json import RunSummary, as_summary
 
 # Backends whose ranks are threads of one process (one interpreter, one lock between ops).
@@ -107,20 +108,19 @@ def _flag(value: float | None, high: float | None, ranks: int, cores: int, bound
     return "; ".join(notes) or None
 
 
-def speedup_from_events(events: Iterable[Mapping[str, Any]]) -> Speedup | None:
-    """The speedup of a run so far, from its events (rank 0's run_started and speedup_pairs);
-    None before rank 0 has started."""
+def speedup_from_events(events: Iterable[Event]) -> Speedup | None:
+    """The speedup of a run so far, from its typed events (rank 0's RunStarted and
+    SpeedupPairs); None before rank 0 has started."""
     started, pairs = None, []
     for event in events:
-        kind, rank = event.get("type"), event.get("rank")
-        if kind == "run_started" and rank == 0:
+        if isinstance(event, RunStarted) and event.rank == 0:
             started = event
-        elif kind == "speedup_pair" and rank == 0:
-            pairs.append((event["solo_step_seconds"], event["parallel_step_seconds"]))
+        elif isinstance(event, SpeedupPair) and event.rank == 0:
+            pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
     if started is None:
         return None
-    return measured_speedup(pairs, int(started["size"]), int(started.get("cores") or 0),
-                            started.get("load"), _threads(started.get("backend")))
+    return measured_speedup(pairs, started.size, started.cores, started.load,
+                            _threads(started.backend))
 
 
 def speedup_from_summary(summary: RunSummary | Mapping[str, Any]) -> Speedup | None:
