@@ -1,1 +1,1 @@
-"""The labavg dashboard (Panel + HoloViews): dashboard.app.create_app / serve; state in dashboard.settings, dashboard.live and dashboard.runs_table."""
+"""The labavg dashboard (Panel + HoloViews): dashboard.app.create_app / serve; state in dashboard.settings, dashboard.live, dashboard.runs_table and dashboard.jobs; live plots declared in dashboard.live_plots."""
