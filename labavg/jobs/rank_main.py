@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from labavg.base.errors import PeerFailed, UserError
+
+if TYPE_CHECKING:  # a type only: this module imports the run (and torch) once settings are checked
+    from labavg.jobs.run_json import RunSummary
 
 
 def said_by_rank_0(exc: UserError) -> UserError:
@@ -30,7 +33,7 @@ def said_by_rank_0(exc: UserError) -> UserError:
 
 
 def run_rank(cfg, *, resume: bool = False, progress: bool = True, allow_pipes: bool = False,
-             stop_file: str | None = None) -> dict[str, Any] | None:
+             stop_file: str | None = None) -> RunSummary | None:
     """This process's part of the run `cfg` (checked by the caller): its events into the run
     directory; rank 0's summary. For a process that mpiexec, srun, torchrun or JobRun started,
     whether JobRun (through this module's `main`) or the user (`mpiexec -n 4 labavg train`).
