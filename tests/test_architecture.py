@@ -1,6 +1,7 @@
 """The house's shape, checked on the source: layers import only below them, no import circle,
 no room over 450 lines, no function over 80, only comm/ talks to mpi4py or torch.distributed,
-and package __init__ files import nothing (docs/architecture.md)."""
+package __init__ files import nothing, runs start only through start_run, no process of labavg
+starts outside jobs/ and comm/, and one place builds averagers (docs/architecture.md)."""
 
 from __future__ import annotations
 
