@@ -1,8 +1,8 @@
 """The worker threads behind the Live tab: they follow a run and hand the page what they read.
 
 A run started from the page is followed through its handle (`start_run(...).events()`, then
-`.result()`); a run another process writes is followed from its directory (events.jsonl
-through labavg.jobs.index's `EventTail`, typed by `event_from_dict`). Either way the worker
+`.result()`); a run another process writes is followed from its directory
+(labavg.jobs.followed.FollowedRun: its config, then its typed events). Either way the worker
 puts typed events (labavg.base.events), then one `Ended`, on the page's inbox, a thread-safe
 queue the page's flush (`LiveRun.drain`) empties on its own thread: a worker never touches
 the page's widgets or plots, which belong to the page's document.
@@ -17,17 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError, one_line, user_error_of
-from labavg.base.events import Event, event_from_dict
-from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
-from labavg.jobs.run_json import RunSummary, read_run_config
+from labavg.jobs.followed import FollowedRun
+from labavg.jobs.run_json import RunSummary
 from labavg.jobs.summary import load_summary
 from labavg.training.config import TrainConfig
-
-# Bytes of events.jsonl one read of a followed run takes: a long run's log comes in pieces,
-# so the page shows its first steps while the rest is read.
-TAIL_BYTES = 1 << 20
-# How long a follower waits for a run directory to grow before it looks again.
-FOLLOW_WAIT_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,25 +79,16 @@ def follow(run_dir: Path, need_config: bool, put: Callable[[Any], None],
     """On a worker thread: hand on a run directory's config (when `need_config`), its events
     as they are written, and its end once its summary is written and every event read; until
     `quit` is set (the page follows something else)."""
-    tail = EventTail(run_dir / EVENTS)
-    while not quit.is_set():
-        if need_config:
-            try:
-                put(ConfigFound(read_run_config(run_dir / CONFIG)))
-                need_config = False
-            except (OSError, UserError):
-                quit.wait(FOLLOW_WAIT_S)  # rank 0 writes config.json with its first event
-                continue
-        ended = (run_dir / SUMMARY).is_file()  # before the read: no event is written after it
-        events = tail.read(TAIL_BYTES)
-        for event in filter(None, map(event_from_dict, events)):
-            put(event)
-        if events:
-            continue
-        if ended:
-            put(Ended(summary=_summary(run_dir)))
+    run = FollowedRun(run_dir, closed=quit)
+    if need_config:
+        config = run.config()  # rank 0 writes config.json with its first event
+        if config is None:
             return
-        quit.wait(FOLLOW_WAIT_S)
+        put(ConfigFound(config))
+    for event in run.events():
+        put(event)
+    if not quit.is_set():
+        put(Ended(summary=_summary(run_dir)))
 
 
 def _summary(run_dir: Path) -> RunSummary | None:
