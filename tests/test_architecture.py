@@ -1,7 +1,8 @@
 """The house's shape, checked on the source: layers import only below them, no import circle,
 no room over 450 lines, no function over 80, only comm/ talks to mpi4py or torch.distributed,
 package __init__ files import nothing, runs start only through start_run, no process of labavg
-starts outside jobs/ and comm/, and one place builds averagers (docs/architecture.md)."""
+starts outside jobs/ and comm/, no loop polls outside them, and one place builds averagers
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -370,3 +371,48 @@ def test_the_averager_check_catches_what_it_is_for():
                "        super().__init__(*a)\n")
     assert averagers_built(planted, classes) == [
         "2: Averager", "3: averager_class", "4: HierarchicalAverager"]
+
+
+# Where waiting in a loop belongs: following a run (labavg/jobs/: a handle's events(), a
+# followed directory), watching processes and peers (labavg/comm/). The injected hang of a
+# fault (labavg/base/faults.py) sleeps in a loop on purpose.
+WAITERS = ("labavg/jobs/", "labavg/comm/", "labavg/base/faults.py")
+
+
+def poll_loops(source: str) -> list[int]:
+    """Lines of loops in `source` that poll: a loop around a sleep, a `.poll()` or a timed
+    `.wait(...)` (an Event's or a Condition's, as a loop's pause)."""
+    lines = set()
+    for loop in ast.walk(ast.parse(source)):
+        if not isinstance(loop, (ast.While, ast.For)):
+            continue
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if name in ("sleep", "poll") or (name == "wait" and (node.args or node.keywords)):
+                    lines.add(loop.lineno)
+    return sorted(lines)
+
+
+def test_no_poll_loop_outside_jobs_and_comm():
+    found = [f"{where}:{line}" for path in _source_files(REPO)
+             if not (where := str(path.relative_to(REPO))).startswith(WAITERS)
+             for line in poll_loops(path.read_text())]
+    assert not found, ("a loop that polls outside labavg/jobs and labavg/comm (follow a run "
+                       "through its handle's events() and result(), or "
+                       "labavg.jobs.followed.FollowedRun):\n" + "\n".join(found))
+
+
+def test_the_poll_loop_check_catches_what_it_is_for():
+    # studies/speedup_study.py before issue 42, and a follower of a run directory
+    planted = ("while not handle.done():\n"
+               "    for event in handle.poll():\n"
+               "        on_event(event)\n"
+               "    time.sleep(0.2)\n"
+               "while not quit.is_set():\n"
+               "    quit.wait(0.2)\n"
+               "for event in handle.events():\n"
+               "    put(event)\n"
+               "done.wait()\n")
+    assert poll_loops(planted) == [1, 2, 5]
