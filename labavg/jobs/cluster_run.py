@@ -223,7 +223,7 @@ class ClusterRun:
             # to block on, so a short sleep between looks.
             time.sleep(_POLL_SECONDS)
 
-    def result(self, timeout: float | None = None) -> RunSummary:
+    def result(self, timeout: float | None = None) -> RunSummary | None:
         """Block until the run ends; rank 0's summary. RunError names a failed rank."""
         for _ in self.events(timeout):
             pass
@@ -231,7 +231,8 @@ class ClusterRun:
             raise RunError(f"run {self.run_id} was killed", -1, None)
         if self.error is not None:
             raise self.error
-        return as_summary(self._final[0]["summary"])
+        summary = self._final[0]["summary"]
+        return None if summary is None else as_summary(summary)
 
     def stop(self) -> None:
         """Ask every rank to stop at the next averaging point (after a checkpoint); returns at once."""

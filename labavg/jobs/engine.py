@@ -108,7 +108,8 @@ class EngineRun:
             cfg = config_from_dict(self.cfg_dict, "submitted config")
             summary = run_training(cfg, resume=self.resume, progress=False, on_event=self._on_event,
                                    should_stop=self.stop_requested.is_set)
-            final = {"status": "done", "summary": summary}
+            # summary.json's object: plain data on the wire, as the events are
+            final = {"status": "done", "summary": None if summary is None else summary.to_dict()}
         except BaseException as exc:  # noqa: BLE001 - reported to the client, which raises it
             final = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                      "traceback": traceback.format_exc()}
