@@ -5,8 +5,9 @@ The sweep files: paper.toml (the paper's comparisons, decoded), regime.toml and
 regime-variables.toml (the regime map and what predicts it), explain.toml (the experiments
 behind each disagreement), beyond.toml (BMUF and DiLoCo), asterisk.toml (real speech, once
 prepared) and yesno.toml (the real Kaldi recipe, when given). Every step is resumable: finished
-runs are kept, so running it again only adds what is missing. Every verdict follows
-labavg.studies.reproduction.verdicts' one rule.
+runs are kept, so running it again only adds what is missing. The sweeps run in this process
+(labavg.studies.sweep.run_sweep, several at once on threads), each one's output in its own log.
+Every verdict follows labavg.studies.reproduction.verdicts' one rule.
 """
 
 from __future__ import annotations
