@@ -85,7 +85,9 @@ class LiveRun(param.Parameterized):
             return False
         backend = settings.backend
         job = Job(str(out), to_dict(cfg))
-        if self._refused_beside(None if self.jobs.add(job) else self.jobs.active()):
+        if not self.jobs.add(job):  # another page's Start came first
+            if not self._refused_beside(self.jobs.active()):
+                self.status = "A run is already in progress; stop it first."
             return False
         self.own, self._job = True, job
         self._reset(cfg.ranks, job.config, str(out), "live")

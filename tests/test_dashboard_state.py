@@ -736,6 +736,83 @@ def test_event_tail_keeps_a_partial_last_line(tmp_path):
     assert tail.read() == []
 
 
+def test_a_new_live_plot_is_one_entry_of_the_plot_specs(finished_runs):
+    """dashboard.live_plots: a plot declared by its feed, x and series is filled by the buffers
+    and drawn by the tab with nothing else added (each rank's learning rate here)."""
+    from dashboard.live_plots import LIVE_PLOTS, LivePlot, Series
+    from dashboard.live_view import figure_of, rows_of
+    from labavg.jobs.index import read_run_events
+
+    _, (_, three) = finished_runs
+    lr = LivePlot("lr", MinibatchDone, "step", (Series("lr", "lr", lambda e: e.lr),),
+                  title="Learning rate per rank", xlabel="step (minibatches)", ylabel="lr")
+    buffers = RunBuffers(3, plots=(*LIVE_PLOTS, lr))
+    for event in read_run_events(Path(three.run_dir)):
+        buffers.add(event)
+    rows = rows_of(lr, buffers)
+    assert list(rows.columns) == ["step", "lr_r0", "lr_r1", "lr_r2", "lr_mean"]
+    assert len(rows) == three.buffers.finished.step and (rows["lr_mean"] > 0).all()
+    figure = figure_of(lr, 3, 100)
+    figure.stream(rows)
+    assert figure.element.title.text == "Learning rate per rank" and len(figure.data) == len(rows)
+    assert rows_of(lr, buffers) is None  # taken: the next flush sends nothing again
+
+
+def test_events_are_routed_by_their_type(finished_runs):
+    """The buffers take typed events (labavg.base.events): a type no plot reads is left alone,
+    rank 0's run_finished ends the rows, and the same event twice is one point."""
+    from labavg.base.events import CheckpointSaved, RunFinished
+
+    buffers = RunBuffers(2)
+    buffers.add(CheckpointSaved(rank=0, step=1, path="x"))
+    assert buffers.finished is None and buffers.last_step == 0
+    for rank in (0, 1):
+        buffers.add(MinibatchDone(rank=rank, epoch=0, step=1, loss=2.0, frame_accuracy=0.5,
+                                  frames=64, lr=0.008, applied=True, max_change_scale=1.0))
+    buffers.add(MinibatchDone(rank=0, epoch=0, step=2, loss=1.0, frame_accuracy=0.5,
+                              frames=64, lr=0.008, applied=True, max_change_scale=1.0))
+    assert [row[0] for row in buffers.of("loss").take()] == [1]  # step 2 waits for rank 1
+    buffers.add(RunFinished(rank=0, step=2, wall_seconds=1.0, compute_seconds=1.0,
+                            comm_seconds=0.0, averaging_rounds=0, frames_trained=192,
+                            cv_loss=1.0, cv_frame_accuracy=0.5))
+    assert buffers.finished.step == 2 and buffers.last_step == 2
+    assert [row[0] for row in buffers.of("loss").take()] == [2]  # flushed with a gap
+
+
+def test_the_pages_of_one_server_share_its_registry_of_runs(corpus, tmp_path):
+    """create_app's pages share the server's JobRegistry (Panel's per-process cache); a
+    Dashboard built with a registry of its own sees no other's runs."""
+    from dashboard.app import Dashboard, create_app
+    from dashboard.jobs import server_jobs
+
+    first = create_app(runs_dir=str(tmp_path), data=str(corpus), inline=False)
+    second = create_app(runs_dir=str(tmp_path), data=str(corpus), inline=False)
+    assert first.dashboard.live.jobs is second.dashboard.live.jobs is server_jobs()
+    alone = Dashboard(runs_dir=str(tmp_path), data=str(corpus), jobs=JobRegistry())
+    assert alone.live.jobs is not server_jobs()
+
+
+def test_the_runs_table_lists_a_run_when_it_starts_and_ends_without_a_timer(corpus, tmp_path):
+    """The table is rescanned when what it lists changes (rank 0 started: its config.json is
+    written; the run ended), by the state it depends on, not every few seconds."""
+    from dashboard.app import Dashboard
+
+    runs = tmp_path / "runs"
+    dashboard = Dashboard(runs_dir=str(runs), data=str(corpus), jobs=JobRegistry())
+    dashboard.settings.param.update(**{k: v for k, v in vars(tiny_settings(corpus, runs)).items()
+                                       if k in ("ranks", "average_every", "minibatch", "epochs",
+                                                "hidden_layers", "hidden_dim", "context")})
+    dashboard.settings.overrides = {"data.buffer_frames": 2048}
+    assert dashboard.live.start(dashboard.settings), dashboard.live.status
+    assert dashboard.table.rows == []
+    until(dashboard.live, lambda: dashboard.live.started)
+    [row] = dashboard.table.rows
+    assert row["run"] == Path(dashboard.live.run_dir).name and row["status"] != "finished"
+    run_to_end(dashboard.live)
+    [row] = dashboard.table.rows
+    assert row["status"] == "finished"
+
+
 def test_buffers_are_bounded():
     series = RankSeries(ranks=4, maxlen=100)
     for step in range(1, 1001):
