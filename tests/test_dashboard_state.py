@@ -463,6 +463,22 @@ def test_stop_ends_the_run_at_the_next_round_even_an_epoch_end_without_cv(corpus
     assert live.status.startswith("Stopped:") and "no CV" in live.status
 
 
+def test_measure_speedup_follows_the_views_state(corpus, tmp_path):
+    """The study's button and line are bound to the view's state (the study's thread sets it):
+    off while measuring, and a refusal said in the line before anything starts."""
+    from dashboard.scaling_view import ScalingView
+
+    settings = tiny_settings(corpus, tmp_path / "runs", data=str(tmp_path / "no-such-data"))
+    view = ScalingView(RunTable(runs_dir=str(tmp_path / "runs")), settings)
+    pane = view.study_status
+    assert not view.measure_button.disabled and "trains 2 and 4 MPI ranks" in pane.object
+    assert view.measure() is False and not view.measuring
+    assert pane.object.startswith("**Cannot measure:**") and "no-such-data" in pane.object
+    view.measuring = True
+    assert view.measure_button.disabled
+    assert not (tmp_path / "runs").exists(), "nothing started"
+
+
 def test_an_oversubscribed_run_says_so_beside_the_cost_models_n_machines(finished_runs,
                                                                            tmp_path):
     """3 workers on 2 cores: at most 2x here, said in the table's text (labavg.jobs.speedup's
