@@ -161,7 +161,8 @@ def _join(thread: threading.Thread, timeout: float | None, what: str) -> None:
 
 
 class EnginesRun:
-    """The run on the MPI engines of a `labavg.jobs.cluster.Cluster` (one started for it if none)."""
+    """The run on the MPI engines of a `labavg.jobs.cluster.Cluster` (one started for it if
+    none, shut down once `result()` has seen the run end)."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, cluster=None):
         # Imported here: ipyparallel engines are optional and may be missing or broken.
@@ -184,9 +185,14 @@ class EnginesRun:
 
     def result(self, timeout: float | None = None) -> RunSummary | None:
         try:
-            return self.handle.result(timeout)
-        finally:
+            summary = self.handle.result(timeout)
+        except TimeoutError:
+            raise  # still going: its engines stay
+        except BaseException:
             self._release()
+            raise
+        self._release()
+        return summary
 
     def stop(self) -> None:
         self.handle.stop()
