@@ -88,3 +88,18 @@ def test_a_failed_sweep_is_named_with_its_log_and_the_others_finish(corpus, tmp_
     assert "injected fault" in log and "labavg: error: sweep point" in log
     printed = capfd.readouterr()
     assert "injected fault" not in printed.out + printed.err
+
+
+def test_a_sweep_in_a_recipe_directory_runs_there_and_alone(corpus, tmp_path):
+    recipe = tmp_path / "recipe"
+    shutil.copytree(corpus, recipe / "data" / "train")
+    write_sweep(recipe / "yesno.toml", "data/train", "seed = [0]")  # relative to the recipe
+    write_sweep(tmp_path / "paper.toml", corpus, "seed = [0]")
+    out = tmp_path / "out"
+    jobs = [("yesno", recipe / "yesno.toml", out / "yesno", recipe),
+            ("paper", tmp_path / "paper.toml", out / "paper", None)]
+    run_sweeps(jobs, parallel=2)
+    assert _table(out / "yesno") == [("seed_0", "0")] and _table(out / "paper") == [("seed_0", "0")]
+    # it changes this process's directory when it finishes a decode: the other waited
+    yesno_ended = (out / "yesno/runs/seed_0/summary.json").stat().st_mtime
+    assert (out / "paper/runs/seed_0/config.json").stat().st_mtime >= yesno_ended

@@ -51,11 +51,16 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
                 for r in recorded.get(file.stem, [])})
               for name, file, out, cwd in jobs]
     ended: queue.SimpleQueue = queue.SimpleQueue()  # (name, why it failed or None)
-    pending, running, failed, logs = list(sweeps), 0, [], {}
+    pending, running, alone, failed, logs = list(sweeps), 0, False, [], {}
     with _logs_routed():
         while pending or running:
-            while pending and running < parallel:
+            # A sweep in a recipe directory runs alone: finishing a decode that was cut short,
+            # it changes this process's working directory (labavg.studies.sweep), which the
+            # other sweeps' relative paths would follow.
+            while pending and running < parallel and not alone and (
+                    running == 0 or pending[0][4] is None):
                 name, file, sweep, out, cwd, known = pending.pop(0)
+                alone = cwd is not None
                 out.mkdir(parents=True, exist_ok=True)
                 log = logs[name] = out.parent / f"{name}.log"
                 print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log})", flush=True)
@@ -66,6 +71,7 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
                 running += 1
             name, why = ended.get()
             running -= 1
+            alone = alone and running > 0
             if why is not None:
                 failed.append(f"{name} ({why}; see {logs[name]})")
     if failed:
