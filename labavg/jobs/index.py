@@ -88,7 +88,7 @@ class RunRecord:
     """One run directory as found: its settings and, once it has ended, its summary.json."""
 
     path: Path
-    config: TrainConfig
+    config: TrainConfig | None  # None only for a summary.json without config.json that holds none
     summary: RunSummary | None
     damaged: str | None = None  # why a summary.json there was not used (file and field)
 
@@ -119,9 +119,9 @@ def read_run(run_dir: Path) -> RunRecord:
             raise UserError(damaged) from None  # the summary's damage first, as `labavg info` reads
         if not isinstance(exc, FileNotFoundError):
             raise
-        if summary is None or summary.config is None:
+        if summary is None:
             raise UserError(f"{run_dir / CONFIG}: missing (not a labavg run directory)") from None
-        config = summary.config  # what the run trained with, as its summary records it
+        config = summary.config  # what the run trained with, as its summary records it (if it does)
     return RunRecord(run_dir, config, summary, damaged)
 
 
