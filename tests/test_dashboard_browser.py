@@ -393,7 +393,10 @@ def test_runs_live_speedup_table_and_overlay_in_browser(page, served):
     measured_text = json.loads((runs / third / "summary.json").read_text())["speedup_text"]
     assert measured_text in line, (measured_text, line)
 
-    # The runs table: every run, numbers formatted, results on screen without scrolling.
+    # The runs table: every run, numbers formatted, results on screen without scrolling. Its
+    # row has the run's results once the job has ended (Start on again), seconds after rank 0
+    # said Finished while the job saved the model; until then it lists the run as running.
+    wait_for(lambda: not _start_disabled(page), 60, "the job to end")
     page.locator(".bk-tab", has_text="Runs").click()
     rows = page.locator(".tabulator-row")
     try:
