@@ -103,7 +103,7 @@ def settings_panel(settings: RunSettings) -> pn.Column:
             widgets[name].disabled = settings.key_of(name) is None
         widgets["momentum"].name = settings.label("momentum")  # the chosen method's knob
 
-    settings.param.watch(enable, ["averaging", "payload"])
+    pn.bind(enable, settings.param.averaging, settings.param.payload, watch=True)
     enable()
 
     def cell(name: str) -> pn.Column:

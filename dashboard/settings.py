@@ -131,16 +131,14 @@ class RunSettings(param.Parameterized):
         super().__init__(**params)
         self._showing_run = False
         self.param.averaging.objects = list(method_names())  # methods registered since import
-        self.param.watch(self._on_preset, "preset")
-        self.param.watch(self._on_method, "averaging")
-        self.param.watch(lambda *_: self._update_errors(),
-                         [*CONTROLS, "backend", "runs_dir", "overrides", "typed"])
+        self._method = self.averaging  # the method whose knob the box holds (_on_method)
         self._update_errors()
 
-    def _on_preset(self, event: param.parameterized.Event) -> None:
+    @param.depends("preset", watch=True)
+    def _on_preset(self) -> None:
         if self._showing_run:
             return  # show_run sets every box itself
-        values = {} if event.new == DEFAULTS else PRESETS[event.new]
+        values = {} if self.preset == DEFAULTS else PRESETS[self.preset]
         shown = {key: name for name, key in CONTROLS.items()}
         extra = {k: v for k, v in values.items() if k not in shown}
         # Every shown control but the data and the parallel ones goes back to its default,
@@ -151,12 +149,14 @@ class RunSettings(param.Parameterized):
         # A preset's values replace what was typed, refused text included.
         self.param.update(**update, overrides={**self.overrides, **extra}, typed={})
 
-    def _on_method(self, event: param.parameterized.Event) -> None:
+    @param.depends("averaging", watch=True)
+    def _on_method(self) -> None:
         # A box still at the last method's default takes the new one's: a method picked
         # without touching its box trains with its declared default.
+        last, self._method = self._method, self.averaging
         if self._showing_run or METHOD_BOX in self.typed:
             return
-        old, new = method_knob(event.old), method_knob(event.new)
+        old, new = method_knob(last), method_knob(self.averaging)
         if new is not None and self.momentum == _default(old or CONTROLS[METHOD_BOX]):
             self.momentum = _default(new)
 
@@ -303,6 +303,7 @@ class RunSettings(param.Parameterized):
                               "machines would give)")
         return found
 
+    @param.depends(*CONTROLS, "backend", "runs_dir", "overrides", "typed", watch=True)
     def _update_errors(self) -> None:
         self.errors = self.problems()
         self.warnings = self.warnings_now()

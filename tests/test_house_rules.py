@@ -119,3 +119,39 @@ def test_the_rankless_check_catches_what_it_is_for(tmp_path):
     model = tmp_path / "model.py"
     model.write_text("from labavg.comm.base import Communicator\n")
     assert "labavg.comm.base" in imports_of(model)
+
+
+def wired_state(text: str) -> list[int]:
+    """Lines where a dashboard module keeps state outside its Parameterized objects or wires a
+    watcher by hand: `.param.watch(...)`, a `global` statement, a module-level empty container
+    or lock (a registry of jobs every page would share by accident)."""
+    tree = ast.parse(text)
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Global)
+             or (isinstance(n, ast.Call) and _name(n.func).endswith("param.watch"))]
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        empty = (isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(
+            value, "keys", getattr(value, "elts", None)))
+        made = isinstance(value, ast.Call) and _name(value.func).split(".")[-1] in (
+            "dict", "list", "set", "Lock", "RLock", "deque", "defaultdict")
+        if empty or made:
+            lines.append(node.lineno)
+    return lines
+
+
+# Filled once, as its class is declared (each `control(...)` of RunSettings names its setting),
+# and only read after that: a declaration, not state.
+_DECLARED_AT_IMPORT = {"dashboard/settings.py:35"}
+
+
+def test_the_dashboard_is_declarative():
+    found = {f"{p.relative_to(REPO)}:{line}" for p in sorted((REPO / "dashboard").glob("*.py"))
+             for line in wired_state(p.read_text())}
+    assert found == _DECLARED_AT_IMPORT
+
+
+def test_the_declarative_check_catches_what_it_is_for():
+    assert wired_state("_JOBS: dict = {}\n_LOCK = threading.Lock()\n") == [1, 2]
+    assert wired_state("def f(live):\n    live.param.watch(g, 'running')\n") == [2]
+    assert wired_state("def f():\n    global _LAST\n") == [2]
+    assert wired_state("STYLE = {'color': 'red'}\n") == []
