@@ -235,18 +235,18 @@ def test_ring_and_butterfly_train_like_allreduce_on_3_inproc_ranks(corpus, tmp_p
     plain, plain_params = _train(corpus, tmp_path / "allreduce")
     ring, ring_params = _train(corpus, tmp_path / "ring", reduce="ring")
     butterfly, butterfly_params = _train(corpus, tmp_path / "butterfly", reduce="butterfly")
-    assert (plain["reduce"], ring["reduce"], butterfly["reduce"]) == ("allreduce", "ring",
+    assert (plain.reduce, ring.reduce, butterfly.reduce) == ("allreduce", "ring",
                                                                        "butterfly")
     assert all(torch.equal(p, ring_params[0]) for p in ring_params)
     # The ring's other roundings reach the model (it really ran), and stay roundings: the
     # accuracy on 20 k CV frames agrees to a few frames.
     assert not torch.equal(ring_params[0], plain_params[0])
     torch.testing.assert_close(ring_params[0], plain_params[0], rtol=1e-3, atol=1e-4)
-    assert abs(ring["cv_frame_accuracy"] - plain["cv_frame_accuracy"]) < 1e-3
-    assert abs(ring["cv_loss"] - plain["cv_loss"]) < 1e-3
+    assert abs(ring.cv_frame_accuracy - plain.cv_frame_accuracy) < 1e-3
+    assert abs(ring.cv_loss - plain.cv_loss) < 1e-3
     # inproc's allreduce adds in the butterfly's association: the same model, bit for bit.
     assert torch.equal(butterfly_params[0], plain_params[0])
-    assert ring["bytes_sent"] == plain["bytes_sent"]
+    assert ring.bytes_sent == plain.bytes_sent
 
 
 @pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
