@@ -94,7 +94,7 @@ class LiveRun(param.Parameterized):
         # In-process workers are threads of one job process, never of this server's.
         launcher = "job" if backend == "in-process workers" else "engines"
         self.running = True
-        what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.average_interval()}"
+        what = f"{cfg.ranks} rank{'s' if cfg.ranks > 1 else ''}, K={cfg.effective_average_every()}"
         if launcher == "engines":
             # Engines take seconds to start (more on a busy machine): say so, or the empty
             # plots look like a hung run.
@@ -303,7 +303,7 @@ def _planned(settings: RunSettings) -> tuple[Any, Path]:
                         f"{exc.strerror}") from None
     # The name shows the K the run trains with (averaging.average_every_frames may set it).
     cfg = settings.build(runs_dir / "check")
-    out = new_run_dir(runs_dir, settings.ranks, cfg.average_interval())
+    out = new_run_dir(runs_dir, settings.ranks, cfg.effective_average_every())
     return dataclasses.replace(cfg, out=str(out)), out
 
 

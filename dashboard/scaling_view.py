@@ -145,7 +145,7 @@ class ScalingView(pn.viewable.Viewer):
         """Plot what the study's runs measured, with the bound and the cost model's line."""
         from labavg.jobs.summary import load_summary
 
-        k = cfg.average_interval()
+        k = cfg.effective_average_every()
         points = [p for s in speedups
                   if (p := speedup_point(f"{out.name}/n{s.ranks}", k, s)) is not None]
         largest = out / f"n{max(STUDY_RANKS)}"

@@ -344,7 +344,7 @@ def describe_config(config: TrainConfig | Mapping[str, Any]) -> str:
         f"{payload}{cfg.averaging.payload_bits if payload == 'int' else ''} payload · "
         if payload != "fp32" else "")
     epochs = f"{cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}"
-    return (f"{backend} × {cfg.ranks} ranks · K={cfg.average_interval()} · {averaging}"
+    return (f"{backend} × {cfg.ranks} ranks · K={cfg.effective_average_every()} · {averaging}"
             f"{cfg.optimizer} {lr} ({cfg.schedule}) · pretrain {cfg.pretrain} · "
             f"minibatch {cfg.minibatch} · {epochs} · "
             f"{cfg.model.hidden_layers}×{cfg.model.hidden_dim} · data {Path(str(cfg.data.data)).name}")

@@ -85,7 +85,7 @@ def live_speedup(buffers: RunBuffers, config: TrainConfig | None,
     """The run's measured speedup (its summary's once it has one, else its events' so far:
     the same function reads both) and the cost model's for N machines; `config` is None
     before the run's settings are known."""
-    k = None if config is None else config.average_interval()
+    k = None if config is None else config.effective_average_every()
     if summary:
         measured = speedup_from_summary(summary)
         costs = summary_costs(summary)

@@ -227,7 +227,7 @@ def test_the_run_dict_check_catches_what_it_is_for():
     planted = ('k = summary.get("average_every")\n'
                'lr = record.config["lr"]\n'
                'wer = run.summary.get("wer", 0)\n'
-               'ok = summary.average_every, cfg.average_interval(), events["type"]\n'
+               'ok = summary.average_every, cfg.effective_average_every(), events["type"]\n'
                'also = config.get(key)\n')
     assert _run_dict_reads(planted) == [1, 2, 3]
 

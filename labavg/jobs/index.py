@@ -205,7 +205,7 @@ def differing_labels(configs: dict[str, TrainConfig]) -> dict[str, str]:
 
     Ranks, K and learning rate first (what a comparison of averaging varies), then the rest
     in the config's order; the model shape as one setting ("4x512"), K as trained
-    (TrainConfig.average_interval). Runs whose settings are all equal are told apart by
+    (TrainConfig.effective_average_every). Runs whose settings are all equal are told apart by
     their names.
     """
     skip = {"out", "averaging.average_every", "averaging.average_every_frames",
@@ -213,7 +213,7 @@ def differing_labels(configs: dict[str, TrainConfig]) -> dict[str, str]:
     flat = {}
     for name, cfg in configs.items():
         values = {k: v for k, v in flatten_config(to_dict(cfg)).items() if k not in skip}
-        values.update(K=cfg.average_interval(),
+        values.update(K=cfg.effective_average_every(),
                       model=f"{cfg.model.hidden_layers}x{cfg.model.hidden_dim}")
         flat[name] = values
     keys: list[str] = []

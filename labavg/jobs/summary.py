@@ -3,7 +3,7 @@ declaration says, labavg.jobs.run_json), every reader reads it back typed (load_
 a run becomes a table row (run_row) and a table (format_runs).
 
 A row's K is the effective averaging interval (`averaging.average_every_frames` turned into
-minibatches when it is set, TrainConfig.average_interval), as summary.json records it: every
+minibatches when it is set, TrainConfig.effective_average_every), as summary.json records it: every
 table shows the K the run trained with.
 """
 
@@ -140,7 +140,7 @@ def run_row(name: str, config: TrainConfig | None, summary: RunSummary | None) -
     return {
         "run": name, "status": status, "backend": _first(cfg and cfg.backend, s.backend),
         "ranks": _first(s.ranks, cfg and cfg.ranks),
-        "average_every": _first(s.average_every, cfg and cfg.average_interval()),
+        "average_every": _first(s.average_every, cfg and cfg.effective_average_every()),
         "averaging": _first(s.averaging, cfg and cfg.averaging.method, "model"),
         "reduce": _first(s.reduce, cfg and cfg.averaging.reduce, "allreduce"),
         "payload": _first(s.payload, cfg and _payload_name(cfg), "fp32"),

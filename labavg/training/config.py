@@ -113,7 +113,7 @@ class TrainConfig:
     # where each went.
     MOVED: ClassVar[dict[str, str]] = MOVED_TO_AVERAGING
 
-    def average_interval(self) -> int:
+    def effective_average_every(self) -> int:
         """K, the minibatches between averaging rounds (averaging.average_every, or
         averaging.average_every_frames over the minibatch)."""
         return self.averaging.effective_average_every(self.minibatch)
@@ -150,7 +150,7 @@ class TrainConfig:
     def hierarchy_problem(self, size: int | None) -> str | None:
         """What is wrong with [averaging.hierarchy] on `size` ranks (None: not known yet)."""
         return self.averaging.hierarchy.problem_with(
-            self.average_interval(), self.averaging.k_name(self.minibatch), self.backend, size)
+            self.effective_average_every(), self.averaging.k_name(self.minibatch), self.backend, size)
 
 
 def config_from_dict(values: Any, source: str = "config") -> TrainConfig:

@@ -47,6 +47,6 @@ def pretrain(model: DNN, cfg: TrainConfig, source: UtteranceSource, keys,
         return (model.normalize_input(x.to(device)) for x, _ in batches.epoch(epoch))
 
     yield from pretrain_dbn(
-        model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.average_interval(), device=device,
+        model, batches_for_epoch, comm, cfg.rbm, average_every=cfg.effective_average_every(), device=device,
         reduce=cfg.averaging.reduce,
     )

@@ -162,7 +162,7 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
     run.cores = run_cores(comm)
-    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.average_interval(), run.total_steps)
+    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.effective_average_every(), run.total_steps)
     return run
 
 
@@ -182,7 +182,7 @@ def _run_started(run: _RankRun) -> RunStarted:
         device=str(run.device), num_params=count_parameters(run.model),
         num_pdfs=run.source.num_pdfs, input_dim=input_dim(run.model),
         steps_per_epoch=run.num_steps, train_utterances=len(run.train_keys),
-        cv_utterances=len(run.cv_keys), average_every=cfg.average_interval(),
+        cv_utterances=len(run.cv_keys), average_every=cfg.effective_average_every(),
         effective_lr=run.lr0, start_step=run.progress.step, cores=run.cores, backend=cfg.backend,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         **asdict(run.averager.describe(run.flat)),
