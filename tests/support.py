@@ -99,3 +99,18 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
     if not value:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}")
     return value
+
+
+def stop_at_first_round(handle, timeout: float = 120) -> list:
+    """Follow a started run to its first averaging round, ask it to stop there, and return the
+    events seen so far; fails if the run had already ended (it would prove nothing)."""
+    from labavg.base.events import Averaged
+
+    events = []
+    for event in handle.events(timeout=timeout):
+        events.append(event)
+        if isinstance(event, Averaged):
+            handle.stop()
+            break
+    assert not handle.done(), "the run ended before its first averaging round"
+    return events

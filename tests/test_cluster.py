@@ -28,6 +28,7 @@ from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
 from labavg.training.model import ModelConfig
 from labavg.jobs.index import read_events
+from support import stop_at_first_round
 from labavg.jobs.summary import load_summary
 
 
@@ -163,13 +164,7 @@ def test_stop_ends_the_run_at_an_averaging_point(cluster, corpus, tmp_path):
 def test_start_run_on_the_cluster_stops_resumes_and_keeps_the_engines(cluster, corpus, tmp_path):
     cfg = make_cfg(tmp_path / "seam", corpus, 4, epochs=3)
     handle = start_run(cfg, cluster=cluster)
-    events = []
-    for event in handle.events(timeout=120):
-        events.append(event)
-        if isinstance(event, Averaged):
-            handle.stop()
-            break
-    assert not handle.done(), "the run ended before its first averaging round"
+    events = stop_at_first_round(handle)
     stopped = handle.result(60)
     per_epoch = events[0].steps_per_epoch
     assert stopped.stopped and stopped.steps < 3 * per_epoch

@@ -16,12 +16,13 @@ from labavg.data.settings import DataConfig
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError
 from labavg.jobs.job_outcome import JobFailed
-from labavg.base.events import Averaged, MinibatchDone, RunFinished, RunStarted
+from labavg.base.events import MinibatchDone, RunFinished, RunStarted
 from labavg.jobs.job_run import LAUNCH_FILE
 from labavg.jobs.launch import start_run
 from labavg.jobs.run_json import RunSummary
 from labavg.jobs.index import read_events, read_run_events
 
+from support import stop_at_first_round
 from test_dataset_errors import make_data_dir, small_corpus
 from test_train import small_config
 
@@ -65,13 +66,7 @@ def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
     cfg = small_config(corpus, out, backend="mpi", epochs=3, checkpoint_every=1)
     handle = start_run(cfg)
     assert json.loads((out / LAUNCH_FILE).read_text())["config"] == to_dict(cfg)
-    events = []
-    for event in handle.events(timeout=120):
-        events.append(event)
-        if isinstance(event, Averaged):
-            handle.stop()
-            break
-    assert not handle.done(), "the run ended before its first averaging round"
+    events = stop_at_first_round(handle)
     events += handle.events(timeout=120)  # the rest, to the end
     summary = handle.result(10)
     per_epoch = next(e.steps_per_epoch for e in events if isinstance(e, RunStarted))

@@ -13,26 +13,7 @@ import pytest
 from labavg.base.errors import UserError
 from labavg.studies.reproduction.pipeline import run_sweeps
 from labavg.studies.reproduction.results import collect, write_results_file
-
-
-def write_sweep(path, corpus, grid: str, **base: str) -> None:
-    extra = "".join(f"{k} = {v}\n" for k, v in base.items())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"""
-[base]
-epochs = 1
-minibatch = 64
-tensorboard = false
-{extra}[base.model]
-hidden_layers = 1
-hidden_dim = 32
-[base.data]
-data = "{corpus}"
-context = 2
-buffer_frames = 2048
-[grid]
-{grid}
-""")
+from test_sweep import write_sweep
 
 
 def _table(sweep_dir) -> list[tuple[str, str]]:

@@ -12,13 +12,16 @@ from labavg.studies.sweep import load_sweep, run_sweep
 from test_train import _cli
 
 
-def write_sweep(path, corpus, grid: str) -> None:
+def write_sweep(path, corpus, grid: str, **base: str) -> None:
+    """A sweep file of a tiny model on `corpus`; `base` adds top-level [base] settings."""
+    extra = "".join(f"{k} = {v}\n" for k, v in base.items())
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""
 [base]
 epochs = 1
 minibatch = 64
 tensorboard = false
-[base.model]
+{extra}[base.model]
 hidden_layers = 1
 hidden_dim = 32
 [base.data]
