@@ -292,10 +292,15 @@ def _source_files(root: Path) -> list[Path]:
     return sorted({p for pattern in SOURCES for p in root.glob(pattern)})
 
 
+def _hits(finder, exempt) -> list[str]:
+    """`where:hit` for each hit `finder(text)` names in a source file `exempt(where)` is false of."""
+    return [f"{where}:{hit}" for path in _source_files(REPO)
+            if not exempt(where := str(path.relative_to(REPO)))
+            for hit in finder(path.read_text())]
+
+
 def test_no_subprocess_of_labavg_outside_jobs_and_comm():
-    found = [f"{where}:{line}" for path in _source_files(REPO)
-             if not (where := str(path.relative_to(REPO))).startswith(PROCESS_OWNERS)
-             for line in labavg_subprocesses(path.read_text())]
+    found = _hits(labavg_subprocesses, lambda where: where.startswith(PROCESS_OWNERS))
     assert not found, ("a process of labavg started outside labavg/jobs and labavg/comm (call "
                        "the library, or start a run through labavg.jobs.launch.start_run):\n"
                        + "\n".join(found))
@@ -352,9 +357,8 @@ def test_one_place_builds_averagers():
     classes = _averager_classes()
     assert {"Averager", "BMUFAverager", "DiLoCoAverager", "HierarchicalAverager",
             "OverlapAverager"} <= classes
-    found = [f"{where}:{hit}" for path in _source_files(REPO)
-             if (where := str(path.relative_to(REPO))) != AVERAGER_FACTORY
-             for hit in averagers_built(path.read_text(), classes)]
+    found = _hits(lambda text: averagers_built(text, classes),
+                  lambda where: where == AVERAGER_FACTORY)
     assert not found, (f"an averager built outside {AVERAGER_FACTORY} (make_averager, "
                        "make_pretraining_averager):\n" + "\n".join(found))
 
@@ -396,9 +400,7 @@ def poll_loops(source: str) -> list[int]:
 
 
 def test_no_poll_loop_outside_jobs_and_comm():
-    found = [f"{where}:{line}" for path in _source_files(REPO)
-             if not (where := str(path.relative_to(REPO))).startswith(WAITERS)
-             for line in poll_loops(path.read_text())]
+    found = _hits(poll_loops, lambda where: where.startswith(WAITERS))
     assert not found, ("a loop that polls outside labavg/jobs and labavg/comm (follow a run "
                        "through its handle's events() and result(), or "
                        "labavg.jobs.followed.FollowedRun):\n" + "\n".join(found))

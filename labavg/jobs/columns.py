@@ -30,6 +30,22 @@ RUN_PARTS = ("summary", "config")
 CSV_SIGNIFICANT = 6
 
 
+def value_at(root: Any, path: Sequence[str]) -> Any:
+    """The value at attribute path `path` of `root` (a key of a mapping, a number a list's
+    item); None where a part on the way is None or a list is too short."""
+    value = root
+    for part in path:
+        if value is None:
+            return None
+        if isinstance(value, Mapping):
+            value = value.get(part)
+        elif part.isdigit():
+            value = value[int(part)] if int(part) < len(value) else None
+        else:
+            value = getattr(value, part)
+    return value
+
+
 @dataclass(frozen=True)
 class Column:
     """One column of a table of runs."""
@@ -62,17 +78,7 @@ class Column:
 
     def read(self, run: Mapping[str, Any]) -> Any:
         """The value at the source's path on `run` (its parts by name); None where a part is."""
-        value: Any = run
-        for part in self.path or ():
-            if value is None:
-                return None
-            if isinstance(value, Mapping):
-                value = value.get(part)
-            elif part.isdigit():
-                value = value[int(part)] if int(part) < len(value) else None
-            else:
-                value = getattr(value, part)
-        return value
+        return value_at(run, self.path or ())
 
     def measure(self, row: Row) -> float | None:
         """The row's number in its unit, unrounded (what means and intervals are taken of)."""

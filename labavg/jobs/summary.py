@@ -19,7 +19,7 @@ from labavg.training.config import TrainConfig
 from labavg.base.errors import UserError
 from labavg.base.events import RunFinished, RunStarted
 from labavg.base.json_files import check_fields, load_json
-from labavg.jobs.columns import COLUMNS, markdown_table
+from labavg.jobs.columns import COLUMNS, markdown_table, value_at
 from labavg.jobs.speedup import THREAD_BACKENDS, Speedup, measured_speedup, speedup_from_summary
 from labavg.jobs.run_json import (CONFIG_FIELDS, SUMMARY, SUMMARY_FIELDS, RunSummary, as_summary,
                                   summary_sources)
@@ -93,13 +93,8 @@ class RunEnd:
 
 def make_summary(end: RunEnd) -> RunSummary:
     """The summary.json of a run: each field from where RunSummary says it comes from."""
-    return RunSummary(**{name: _at(end, path) for name, path in summary_sources().items()})
-
-
-def _at(value: Any, path: str) -> Any:
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
+    return RunSummary(**{name: value_at(end, path.split("."))
+                         for name, path in summary_sources().items()})
 
 
 def comm_hidden_fraction(finished: RunFinished) -> float | None:
