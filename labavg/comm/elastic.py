@@ -1,0 +1,236 @@
+"""Elastic rounds on torchft: the group is whoever is present at each round.
+
+Each worker is its own torchft replica group: one process with its own TCPStore, a
+reconfigurable gloo (nccl on a GPU) process group and a `Manager` that asks the job's lighthouse
+for a quorum of the workers present. Every collective is one round: a quorum, the reduction among
+its members, and `should_commit`, which all members answer alike. A worker that died is left out
+of the next quorum once its heartbeat stops; the round it cut short fails on every member and is
+run again among the survivors, so no worker keeps a half-reduced buffer.
+
+A worker behind the others (started by `labavg train --join`) "heals": the lighthouse names a
+survivor, whose state (`set_state`) it receives (labavg.comm.elastic_transport) while the
+others reduce without it; its own contribution to that round is zeros and not counted. The
+trainer reads `last_round` to learn who was present and whether this worker just healed.
+
+Ranks keep the number they were launched with (their shard, their log); `size` is the number of
+workers in the last round, and `members` says which. Point-to-point messages and splits have no
+elastic form: the reduce algorithms (ring, butterfly) and the hierarchy are refused with it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import torch
+
+from labavg.comm.base import Done
+from labavg.comm.buffers import check_buffer, check_gather, check_root
+
+# Rounds a cut-short reduction is tried again among the survivors before the worker gives up.
+ROUND_RETRIES = 3
+
+
+class ElasticUnsupported(RuntimeError):
+    """A collective with no elastic form (point-to-point, splits)."""
+
+
+class TooFewWorkers(RuntimeError):
+    """Fewer workers than `min_workers` stayed for `quorum_timeout_s`."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """Who took part in one committed round, as this worker saw it."""
+
+    number: int  # committed rounds so far, this one included (torchft's step)
+    members: tuple[int, ...]  # launch ranks whose buffers were reduced
+    healed: bool  # this worker received a survivor's state in this round
+    attempts: int  # 1, or more where a member was lost during the round
+
+
+def _quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum at INFO on stderr, which would bury labavg's own
+    lines; its warnings and errors still show. A RUST_LOG the user set is kept."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
+class Lighthouse:
+    """The job's quorum server (torchft's lighthouse), on `host` at a free port."""
+
+    def __init__(self, *, min_workers: int = 1, heartbeat_ms: int = 1000,
+                 join_timeout_ms: int = 2000, host: str = "127.0.0.1"):
+        _quiet_torchft()
+        from torchft._torchft import LighthouseServer
+
+        self._server = LighthouseServer(bind=f"{host}:0", min_replicas=min_workers,
+                                        join_timeout_ms=join_timeout_ms,
+                                        heartbeat_timeout_ms=heartbeat_ms)
+        # The server names itself by the machine's host name; the workers dial where it listens.
+        port = urlsplit(self._server.address()).port
+        self.address = f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+
+
+class ElasticCommunicator:
+    """This worker's view of the elastic group; collectives as in labavg.comm.base."""
+
+    def __init__(self, rank: int, launch_size: int, lighthouse: str, *,
+                 device: torch.device | str = "cpu", min_workers: int = 1,
+                 timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
+                 host: str = "127.0.0.1"):
+        _quiet_torchft()
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        self.rank, self.launch_size, self.local_rank = rank, launch_size, 0
+        self.device = torch.device(device)
+        self._state: Callable[[], Any] = dict
+        self._load: Callable[[Any], None] = lambda state: None
+        self._healed = False
+        timeout = timedelta(seconds=timeout_s)
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        if self.device.type == "cuda":
+            from torchft import ProcessGroupNCCL
+
+            pg = ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = ProcessGroupGloo(timeout=timeout)
+        from labavg.comm.elastic_transport import StateTransport
+
+        self._transport = StateTransport(host, timeout)
+        self._manager = Manager(
+            pg=pg, load_state_dict=self._on_heal, state_dict=lambda: self._state(),
+            min_replica_size=min_workers, use_async_quorum=True, timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s), connect_timeout=timeout,
+            rank=0, world_size=1, store_addr=host, store_port=self._store.port,
+            lighthouse_addr=lighthouse, replica_id=f"rank{rank}", hostname=host,
+            checkpoint_transport=self._transport,
+            # Every worker starts from the same seed: a first sync would divide their sum by N
+            # with the joiners' zeros in it (torchft's default).
+            init_sync=False)
+        self.size = launch_size
+        self.members: tuple[int, ...] = tuple(range(launch_size))
+        self.last_round: Round | None = None
+
+    def set_state(self, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """What a joining worker receives from a survivor, and how it takes it in."""
+        self._state, self._load = state, load
+
+    def gather(self, timeout_s: float = 120.0) -> None:
+        """Wait until every launched worker takes part in a round: the job's start.
+
+        Workers start seconds apart (imports, data); the lighthouse forms a quorum of whoever
+        is there, so the first rounds may hold only some of them. Those are empty rounds (a
+        barrier); a worker that arrives behind heals from one that was there, with the same
+        state, since all start from one seed.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.barrier()
+            if self.size == self.launch_size:
+                return
+            if time.monotonic() > deadline:
+                raise TooFewWorkers(f"only ranks {list(self.members)} of {self.launch_size} "
+                                    f"started within {timeout_s:.0f} s")
+
+    def _on_heal(self, state: Any) -> None:
+        self._healed = True
+        self._load(state)
+
+    def _reduce(self, buf: torch.Tensor, mean: bool) -> None:
+        """One round: quorum, SUM of float `buf` with a membership row beside it, commit.
+
+        The row is 1 at each member's launch rank: a healing worker's contribution is zeroed by
+        torchft, so the row says exactly whose buffers are in the sum.
+        """
+        from torch.distributed import ReduceOp
+
+        row = torch.zeros(self.launch_size, dtype=buf.dtype, device=buf.device)
+        row[self.rank] = 1
+        original = torch.cat([buf, row])
+        for attempt in range(1, ROUND_RETRIES + 2):
+            self._healed = False
+            work = original.clone()
+            self._manager.start_quorum()
+            try:
+                self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
+            except TimeoutError as exc:
+                raise TooFewWorkers(str(exc)) from exc
+            if not self._manager.should_commit():
+                continue  # a member was lost during the round: again, among the survivors
+            present = work[buf.numel():].round().to(torch.int64)
+            self.members = tuple(int(r) for r in torch.nonzero(present).flatten())
+            self.size = len(self.members)
+            buf.copy_(work[: buf.numel()])
+            if mean:
+                buf.div_(self.size)
+            self.last_round = Round(self._manager.current_step(), self.members, self._healed,
+                                    attempt)
+            return
+        raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
+                            f"workers present: {self._manager.errored()}")
+
+    def allreduce_mean(self, buf: torch.Tensor) -> None:
+        """Replace `buf` with the mean over the workers present at this round."""
+        check_buffer(buf)
+        self._reduce(buf, mean=True)
+
+    def iallreduce_mean(self, buf: torch.Tensor) -> Done:
+        """The mean, done now: a round is a quorum and a vote, not only a reduction."""
+        self.allreduce_mean(buf)
+        return Done()
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        """Copy launch rank `root`'s `buf` to every worker present (root must be present)."""
+        check_buffer(buf)
+        check_root(root, self.launch_size)
+        mine = buf if self.rank == root else torch.zeros_like(buf)
+        buf.copy_(mine)
+        self._reduce(buf, mean=False)
+        if root not in self.members:
+            raise TooFewWorkers(f"rank {root}, the source of a broadcast, has left the job")
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """`recv` row i: the `send` of the i-th worker present (in launch-rank order)."""
+        rows = torch.zeros((self.launch_size, send.numel()), dtype=torch.float64,
+                           device=send.device)
+        rows[self.rank] = send.to(torch.float64)  # uint8 payloads too: sums of one term each
+        flat = rows.flatten()
+        self._reduce(flat, mean=False)
+        check_gather(send, recv, self.size)
+        recv.copy_(flat.view(self.launch_size, -1)[list(self.members)].flatten().to(recv.dtype))
+
+    def sendrecv(self, send, dst, recv, src) -> None:
+        raise ElasticUnsupported("point-to-point messages have no elastic form: use the "
+                                 "default reduce algorithm with on_rank_loss = \"continue\"")
+
+    def barrier(self) -> None:
+        self._reduce(torch.zeros(1, dtype=torch.float64), mean=False)
+
+    def idle_barrier(self) -> None:
+        self.barrier()
+
+    def split(self, color: int, key: int = 0) -> "ElasticCommunicator":
+        raise ElasticUnsupported("a split group has no elastic form: hierarchical averaging "
+                                 "cannot run with on_rank_loss = \"continue\"")
+
+    def node_color(self) -> int | None:
+        return None
+
+    def abort(self, reason: str, code: int = 1, quiet: bool = False) -> None:
+        """End this worker only: the others go on without it (that is the point)."""
+        if not quiet:
+            print(f"labavg: error: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    def close(self) -> None:
+        self._manager.shutdown(wait=False)
+        self._transport.shutdown(wait=False)

@@ -1,0 +1,55 @@
+"""One worker of the elastic communicator's tests: `python tests/elastic_worker.py RANK SIZE
+LIGHTHOUSE ROUNDS [--die-at R] [--pause S]`. Prints one JSON line per committed round."""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from labavg.comm.elastic import ElasticCommunicator
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("rank", type=int)
+    p.add_argument("size", type=int)
+    p.add_argument("lighthouse")
+    p.add_argument("rounds", type=int)
+    p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--pause", type=float, default=0.05)
+    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--join", action="store_true")
+    p.add_argument("--same", action="store_true", help="every worker moves alike")
+    a = p.parse_args()
+    comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
+                               timeout_s=5, quorum_timeout_s=10)
+    # The "model": every worker moves its own way between rounds, as local SGD does.
+    state = {"x": torch.zeros(6, dtype=torch.float64), "round": torch.zeros((), dtype=torch.int64),
+             "momentum": torch.zeros(6, dtype=torch.float64)}
+    comm.set_state(lambda: state, lambda s: [state[k].copy_(v) for k, v in s.items()])
+    if not a.join:
+        comm.gather(30)
+    while int(state["round"]) < a.rounds:
+        r = int(state["round"]) + 1
+        if r == a.die_at:
+            os._exit(1)
+        state["x"] += (1 if a.same else a.rank + 1) * 0.001 * r
+        buf = state["x"].clone()
+        comm.allreduce_mean(buf)
+        state["x"].copy_(buf)
+        state["momentum"].mul_(0.5).add_(buf)
+        state["round"] += 1
+        g = comm.last_round
+        print(json.dumps({"rank": a.rank, "round": int(state["round"]), "size": comm.size,
+                          "members": list(g.members), "healed": g.healed, "attempts": g.attempts,
+                          "x": state["x"].tolist(), "m": state["momentum"].tolist(),
+                          "t": time.time()}), flush=True)
+        time.sleep(a.pause)
+    comm.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
