@@ -173,17 +173,38 @@ def serve(port: int = 5006, open_browser: bool = True, runs_dir: str | os.PathLi
 
     Extra keyword arguments go to `panel.serve` (e.g. basic_auth="...", websocket_origin=[...]).
     An address that is not a loopback one needs basic_auth: whoever reaches the page can start
-    runs and read paths (dashboard/exposure.py, which `labavg dashboard` plans it with).
+    runs and read paths (dashboard/exposure.py, which `labavg dashboard` plans it with). The
+    password is then checked by dashboard.gate, not by Panel: in constant time, with failed
+    logins limited per client, and every anonymous request answered before Panel's handlers.
     """
     from dashboard.exposure import is_loopback
     from labavg.base.errors import UserError
 
-    if not is_loopback(address) and not kwargs.get("basic_auth"):
+    password = kwargs.pop("basic_auth", None)
+    if not is_loopback(address) and not password:
         raise UserError(f"address {address!r} is not a loopback address: serving it needs a "
                         f"password (basic_auth=...), or anyone on the network could start runs")
+    if password is not None and not isinstance(password, str):
+        raise UserError("basic_auth: one password (a str); the dashboard takes any user name")
     origins = kwargs.pop("websocket_origin", [f"localhost:{port}", f"127.0.0.1:{port}", f"{address}:{port}"])
-    pn.serve({"app": lambda: create_app(runs_dir=runs_dir, data=data)}, port=port, address=address,
-             show=open_browser, title=TITLE, websocket_origin=origins, **kwargs)
+    if password:
+        import secrets
+
+        from dashboard.gate import PasswordAuth
+
+        kwargs["auth_provider"] = PasswordAuth(password)
+        kwargs.setdefault("cookie_secret", secrets.token_urlsafe(32))
+    server = pn.serve({"app": lambda: create_app(runs_dir=runs_dir, data=data)}, port=port,
+                      address=address, show=False, start=False, title=TITLE,
+                      websocket_origin=origins, **kwargs)
+    if password:
+        from dashboard.gate import LOGIN, install_gate
+
+        install_gate(server._tornado, pn.config.cookie_secret, pn.config.oauth_expiry)
+    if open_browser:
+        server.io_loop.add_callback(server.show, LOGIN if password else "/")
+    server.start()
+    server.io_loop.start()
 
 
 def _script_args(argv: list[str]) -> argparse.Namespace:

@@ -7,9 +7,13 @@ line, not a traceback."""
 from __future__ import annotations
 
 import errno
+import hmac
 import ipaddress
 import secrets
 import socket
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,3 +106,57 @@ def _read_password(path: str) -> str:
         raise UserError(f"--password-file {path}: expected one password of 8 or more characters "
                         f"on one line")
     return text
+
+
+def password_matches(given: str, expected: str) -> bool:
+    """Whether `given` is the password, in a time that does not depend on where they differ
+    (a plain == answers sooner the earlier they do, which lets a client guess it a character at
+    a time). Bytes, because compare_digest refuses str beyond ASCII."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               expected.encode("utf-8", "surrogatepass"))
+
+
+# Failed logins allowed per client address within LOGIN_WINDOW_S; then it waits until the
+# oldest of them is that old. A window, not a lock: the laptop's own user, who shares no
+# address with the network's, is never shut out for longer than LOGIN_WINDOW_S.
+LOGIN_LIMIT = 5
+LOGIN_WINDOW_S = 60.0
+_MAX_CLIENTS = 10_000  # addresses remembered at most: many clients cannot exhaust memory
+
+
+@dataclass
+class LoginThrottle:
+    """Failed logins per client address in a sliding window (dashboard.gate's login page)."""
+
+    limit: int = LOGIN_LIMIT
+    window_s: float = LOGIN_WINDOW_S
+    clock: Callable[[], float] = time.monotonic
+    _failures: dict[str, deque[float]] = field(default_factory=dict)
+
+    def wait_s(self, client: str) -> float:
+        """Seconds `client` must wait before its next try (0: it may try now)."""
+        recent = self._recent(client)
+        if len(recent) < self.limit:
+            return 0.0
+        return max(0.0, recent[0] + self.window_s - self.clock())
+
+    def failed(self, client: str) -> int:
+        """Record a failed login; the tries `client` has left before it must wait."""
+        recent = self._recent(client)
+        recent.append(self.clock())
+        self._failures[client] = recent
+        if len(self._failures) > _MAX_CLIENTS:
+            del self._failures[next(iter(self._failures))]  # the longest remembered
+        return max(0, self.limit - len(recent))
+
+    def succeeded(self, client: str) -> None:
+        self._failures.pop(client, None)
+
+    def _recent(self, client: str) -> deque[float]:
+        since = self.clock() - self.window_s
+        recent = self._failures.get(client, deque())
+        while recent and recent[0] <= since:
+            recent.popleft()
+        if not recent:
+            self._failures.pop(client, None)
+        return recent
