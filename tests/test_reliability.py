@@ -28,7 +28,7 @@ from labavg.base.errors import UserError
 from labavg.base.events import CheckpointSaved, EpochDone
 from labavg.jobs.index import read_events
 from labavg.jobs.processes import pid_alive as _alive
-from labavg.jobs.run_dir import run_dir_lock
+from labavg.jobs.run_dir import accept_run_dir, run_dir_lock
 from labavg.jobs.runs import run_training
 from labavg.jobs.summary import load_summary
 from labavg.training.runner import train
@@ -290,6 +290,7 @@ def test_lock_is_exclusive_and_cleans_up_a_directory_it_made(tmp_path):
     out = tmp_path / "fresh"
     with run_dir_lock(out):
         assert (out / ".lock").is_file()
+        accept_run_dir(out)  # the holder is named once the command's checks have passed
         with pytest.raises(UserError, match=r"in use by another job \(pid \d+ on "):
             with run_dir_lock(out):
                 pass

@@ -38,21 +38,42 @@ def no_room(path: Path, exc: OSError) -> UserError | OSError:
     kind of OSError."""
     if exc.errno not in _NO_ROOM:
         return exc
-    return NoRoom(f"cannot write {path}: {exc.strerror}; free some space, then `labavg train "
+    fix = "make it writable again" if exc.errno == errno.EROFS else "free some space"
+    return NoRoom(f"cannot write {path}: {exc.strerror}; {fix}, then `labavg train "
                   f"--resume` continues the run from its last checkpoint (or, before its first, "
                   f"start it again)")
+
+
+class CannotWrite(UserError):
+    """A file of a run could not be put in place for another reason than room (a directory
+    in its place, a folder that may not be written); nothing was half-written."""
+
+
+# Why a file cannot be put in place, in words, where strerror alone would puzzle.
+_IN_PLACE = {errno.EISDIR: "a directory is in its place", errno.ENOTEMPTY: "a directory is in its place",
+             errno.ENOTDIR: "a file is in the place of one of its folders"}
+
+
+def _cannot_write(path: Path, exc: OSError) -> UserError:
+    """The UserError for `exc`, met writing `path` atomically: NoRoom for a full or read-only
+    disk (no_room), CannotWrite for anything else, each naming the file and saying why."""
+    found = no_room(path, exc)
+    if isinstance(found, UserError):
+        return found
+    return CannotWrite(f"cannot write {path}: {_IN_PLACE.get(exc.errno, exc.strerror or str(exc))}")
 
 
 def atomic_write_bytes(path: Path, data: bytes, named: Path | None = None) -> None:
     """Write `data` to `path` via a temporary file, fsync and rename: all or nothing.
 
-    A full disk is a UserError naming `named` (default `path`)."""
+    A full disk (NoRoom) or any other failure to write (CannotWrite) is a UserError naming
+    `named` (default `path`)."""
     named = path if named is None else named
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise no_room(named, exc) from None
+        raise _cannot_write(named, exc) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -62,7 +83,7 @@ def atomic_write_bytes(path: Path, data: bytes, named: Path | None = None) -> No
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise no_room(named, exc) from None
+            raise _cannot_write(named, exc) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -172,15 +193,22 @@ def _head(path: Path) -> bytes:
 def remove_orphans(run_dir: Path) -> list[Path]:
     """Remove what killed writes left behind: temporary files and checkpoints never committed.
 
-    Call only while holding the run directory's lock (no live job is writing). Returns what
-    was removed.
+    Call only while holding the run directory's lock (no live job is writing), and only once
+    every check of the resume has passed. Removes nothing unless latest.json names a
+    checkpoint whose files are all there: a manifest that is damaged, missing or names a step
+    that is gone leaves every folder as it is, as a hand-fixed latest.json may recover the run
+    from one of them. Returns what was removed.
     """
     root = checkpoint_dir(run_dir)
     removed: list[Path] = []
-    if not root.is_dir():
+    try:
+        found = latest_step(run_dir)
+    except UserError:
         return removed
-    found = latest_step(run_dir)
-    keep = f"{found[0]:09d}" if found is not None else None
+    if found is None or not all((root / f"{found[0]:09d}" / f"rank{r}.pt").is_file()
+                                for r in range(found[1])):
+        return removed
+    keep = f"{found[0]:09d}"
     for path in sorted(root.rglob(".*.tmp")):
         path.unlink(missing_ok=True)
         removed.append(path)

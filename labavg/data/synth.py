@@ -19,6 +19,7 @@ import kaldiio
 import numpy as np
 
 from labavg.base.errors import UserError
+from labavg.base.paths import require_writable
 from labavg.data.synth_phones import STATES_PER_PHONE, Phone, make_lexicon, phone_table
 from labavg.data.synth_plans import UtterancePlan, make_speaker, plan_set
 from labavg.data.synth_signal import FEAT_DIM, compute_fbank, frame_labels, synthesize_waveform
@@ -49,9 +50,12 @@ class CorpusInfo:
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """UserError unless `out_dir` is absent, empty, or to be replaced (`overwrite`)."""
+    """UserError unless `out_dir` is absent, empty, or to be replaced (`overwrite`), and it
+    and the folder it is built beside (then renamed from) can be written now."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"corpus output {out_dir} exists and is not a directory")
+    require_writable(out_dir, "corpus output", "the corpus directory")
+    require_writable(out_dir.parent, "corpus output's folder", "the folder the corpus is built in")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"corpus output directory {out_dir} exists and is not empty "
                         "(pass overwrite=True / --overwrite to replace it)")

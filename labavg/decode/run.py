@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError
+from labavg.base.paths import require_writable
 from labavg.decode import graph as graphs
 from labavg.decode.decode_dir import acwt_name, write_decode_dir
 from labavg.decode.decoder import DEFAULT_BEAM, Decoder
@@ -78,6 +79,8 @@ def decode_run(run_dir: str | os.PathLike, data: str | os.PathLike, *,
     False/None for none. Returns the summary (also in decode_<set>/result.json).
     """
     run_dir, data = Path(run_dir), Path(data)
+    # Before minutes of decoding: decode_<set>/ goes into the run directory.
+    require_writable(run_dir, "run directory", "the run directory")
     if not acwts:
         raise UserError("give at least one acoustic scale")
     if any(not (a > 0) for a in acwts):
@@ -160,15 +163,9 @@ def check_decode_data(path: str | os.PathLike) -> None:
                         f"needs reference transcripts")
 
 
-def export_and_decode(run_dir: Path, cfg, source, decode_data: str | os.PathLike | None = None
-                      ) -> dict[str, Any]:
-    """End of a run: write final.pt; with `decode_data`, decode it and return the summary's
-    `wer`, `wer_ci`, `per`, `per_ci`, `acwt` and `decode_set` fields."""
-    from labavg.decode.model import export_final_model
-
-    export_final_model(run_dir, cfg, source)
-    if decode_data is None:
-        return {}
+def decode_fields(run_dir: Path, decode_data: str | os.PathLike) -> dict[str, Any]:
+    """Decode `decode_data` with RUN_DIR/final.pt: the summary's `wer`, `wer_ci`, `per`,
+    `per_ci`, `acwt` and `decode_set` fields."""
     test, dev = split_decode_data(decode_data)
     result = decode_run(run_dir, test, dev=dev)
     return {key: result[key] for key in ("wer", "wer_ci", "per", "per_ci", "acwt")} | {

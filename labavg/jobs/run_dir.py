@@ -24,17 +24,20 @@ import stat
 import sys
 import time
 from collections.abc import Iterator
+from itertools import islice
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.base.checkpoint import latest_step
+from labavg.base.checkpoint import checkpoint_dir, latest_step
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig, config_from_dict
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
+from labavg.decode.model import FINAL
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY
 from labavg.jobs.run_json import RunSummary
 from labavg.jobs.summary import load_summary
@@ -71,10 +74,13 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
         if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
         summary = _summary_or_none(run_dir)
-        if summary is not None and not summary.stopped:
+        # Without its model a run has not finished (its end was cut short): the resume
+        # completes it from the last checkpoint.
+        if summary is not None and not summary.stopped and (run_dir / FINAL).is_file():
             raise UserError(
                 f"--resume: {run_dir} has finished (step {summary.steps}, {SUMMARY}); "
                 f"nothing to resume: start a new run with another --out to train more")
+        _check_whole(run_dir, *found)
         if cfg is not None and launcher_rank() == 0:
             # Once per job: the other ranks learn of a refusal through the start-up agreement.
             check_resume_config(run_dir, cfg, found[1])
@@ -84,6 +90,18 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
             f"run directory {run_dir} already holds a run; pass --resume to continue it or choose "
             f"another --out"
         )
+
+
+def _check_whole(run_dir: Path, step: int, size: int) -> None:
+    """UserError unless every rank's file of the checkpoint latest.json names is there."""
+    folder = checkpoint_dir(run_dir) / f"{step:09d}"
+    missing = list(islice((f"rank{r}.pt" for r in range(size)
+                           if not (folder / f"rank{r}.pt").is_file()), 5))
+    if missing:
+        raise UserError(f"--resume: {run_dir / 'checkpoints' / 'latest.json'} names checkpoint "
+                        f"{folder}, which lacks {', '.join(missing[:4])}"
+                        f"{' and more' if len(missing) > 4 else ''}; the run cannot be resumed "
+                        f"from it (nothing was changed)")
 
 
 def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) -> None:
@@ -152,14 +170,29 @@ def lock_held(run_dir: Path) -> Iterator[None]:
         _HELD_HERE.reset(token)
 
 
+@dataclass
+class _Held:
+    """A lock this process took: its open file, and whether its holder has been written."""
+
+    fd: int
+    named: bool = False
+
+
+# The run directories whose lock this process took, by resolved path: accept_run_dir names the
+# holder through it once the command has passed its checks.
+_TAKEN: dict[str, _Held] = {}
+
+
 @contextmanager
 def run_dir_lock(run_dir: Path) -> Iterator[None]:
     """Hold RUN_DIR/.lock for the life of the job, so that a second job cannot write there.
 
     Taken by the process that owns the job: the launcher that starts mpiexec (its ranks then
     find LOCK_HELD_ENV), the in-process trainer, or rank 0 of a job started by mpiexec, srun
-    or torchrun. The lock is an flock, so it goes with its holder however that ends. A
-    directory this call created and left holding only the lock is removed again.
+    or torchrun. The lock is an flock, so it goes with its holder however that ends. Taking it
+    writes nothing: the holder is written by accept_run_dir once every check has passed, so a
+    refused command leaves the directory as it was (a lock file or a directory this call
+    created is removed again).
     """
     run_dir = Path(run_dir)
     resolved = str(run_dir.resolve())
@@ -174,43 +207,72 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot write run directory {run_dir}: {exc.strerror}") from None
-    check_own_files(run_dir)
+    held = None
     try:
-        # O_NOFOLLOW too: a link planted between the check and the open is refused as well.
-        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError as exc:
-        raise UserError(f"cannot write the lock file {run_dir / LOCK}: "
-                        f"{_OPEN_ERRORS.get(exc.errno, exc.strerror)}") from None
-    try:
+        check_own_files(run_dir)
+        fd, made = _open_lock(run_dir / LOCK)
+        held = _Held(fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
             raise RunDirBusy(f"run directory {run_dir} is in use by another job ({_describe(holder)}); "
                             f"wait for it to end or stop it first") from None
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        yield
+        _TAKEN[resolved] = held
+        try:
+            yield
+        finally:
+            _TAKEN.pop(resolved, None)
+            if made and not held.named:  # refused: the lock file this call made goes again
+                (run_dir / LOCK).unlink(missing_ok=True)
     finally:
-        os.close(fd)
+        if held is not None:
+            os.close(held.fd)
         if created and {p.name for p in run_dir.iterdir()} <= {LOCK, HEARTBEAT_DIR}:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock file's descriptor, opened for writing without changing it, and whether this
+    call created it. O_NOFOLLOW: a link planted between the check and the open is refused."""
+    try:
+        try:
+            return os.open(path, os.O_RDWR | os.O_NOFOLLOW), False
+        except FileNotFoundError:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), True
+    except OSError as exc:
+        raise UserError(f"cannot write the lock file {path}: "
+                        f"{_OPEN_ERRORS.get(exc.errno, exc.strerror)}") from None
+
+
+def accept_run_dir(run_dir: Path) -> None:
+    """The command writing `run_dir` has passed every check: name it in the lock it holds
+    (once; nothing where this process does not hold the lock, e.g. a rank of a job whose
+    launcher holds it)."""
+    held = _TAKEN.get(str(Path(run_dir).resolve()))
+    if held is None or held.named:
+        return
+    holder = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    os.ftruncate(held.fd, 0)
+    os.pwrite(held.fd, (json.dumps(holder) + "\n").encode(), 0)
+    held.named = True
 
 
 # What labavg writes in a run directory (besides decode_<set>/, which is built beside and
 # renamed into place): none of them may be a symbolic link, which would have the job write its
 # lock, events, results or checkpoints wherever the link points.
-OWN_NAMES = (LOCK, CONFIG, EVENTS, SUMMARY, "final.pt", "checkpoints", HEARTBEAT_DIR,
+OWN_NAMES = (LOCK, CONFIG, EVENTS, SUMMARY, FINAL, "checkpoints", HEARTBEAT_DIR,
              "tensorboard", ".launch.json", ".stop")
+# Those of them that are files, which a directory in their place would make unwritable.
+FILE_NAMES = (CONFIG, EVENTS, SUMMARY, FINAL, ".launch.json")
 _OPEN_ERRORS = {errno.ELOOP: "it is a symbolic link, which labavg does not follow",
                 errno.EISDIR: "it is a directory, not a file"}
 
 
 def check_own_files(run_dir: Path) -> None:
-    """UserError naming the first of the run directory's own files that is a symbolic link
-    (or, for the lock, a directory)."""
+    """UserError naming the first of the run directory's own files that is a symbolic link,
+    or a directory where a file goes (or, for the lock, anything but a file)."""
     for name in OWN_NAMES:
         path = Path(run_dir) / name
         try:
@@ -225,6 +287,9 @@ def check_own_files(run_dir: Path) -> None:
         if name == LOCK and not stat.S_ISREG(mode):
             raise UserError(f"the lock file {path} is not a regular file (a "
                             f"{'directory' if stat.S_ISDIR(mode) else 'special file'}): remove it")
+        if name in FILE_NAMES and stat.S_ISDIR(mode):
+            raise UserError(f"{path} is a directory where labavg writes a file: remove it (or "
+                            f"choose another --out)")
 
 
 def _describe(holder: str) -> str:

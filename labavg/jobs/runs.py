@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import user_error_of
-from labavg.base.checkpoint import atomic_write_text, remove_orphans
+from labavg.base.checkpoint import CannotWrite, atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
@@ -25,7 +25,7 @@ from labavg.base.events import (Event, MinibatchDone, RunFinished, RunStarted, S
                                  event_from_dict)
 from labavg.jobs.event_log import EventLog
 from labavg.jobs.index import EVENTS, EventTail
-from labavg.jobs.run_dir import check_run_dir, run_dir_lock
+from labavg.jobs.run_dir import accept_run_dir, check_run_dir, run_dir_lock
 from labavg.jobs.run_json import CONFIG, SUMMARY, RunSummary
 from labavg.jobs.summary import RunEnd, load_summary, make_summary
 
@@ -57,6 +57,11 @@ def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False)
         check_decode_data(cfg.decode_data)
     source = open_source(cfg, allow_pipes)
     check_fits(cfg, source)  # with cfg.ranks; the ranks check again with the size they find
+    # Every check has passed: only now is the run directory touched (a refused command
+    # leaves it byte-identical, its checkpoints above all).
+    accept_run_dir(run_dir)
+    if resume and launcher_rank() == 0:
+        remove_orphans(run_dir)
     return source
 
 
@@ -83,8 +88,6 @@ def run_training(
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
-        if resume and launcher_rank() == 0:
-            remove_orphans(run_dir)
         opened: dict[str, Any] = {}
 
         def open_data():  # opened on every rank (labavg.training.runner.train agrees on the outcome)
@@ -128,7 +131,6 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, RunFinished) and event.rank == 0:
                 load = {"start": load_start, "end": os.getloadavg()[0]}
                 summary = make_summary(RunEnd(cfg, started[0], event, pairs, load, resume))
-                _write_summary(run_dir, summary)
     except Exception as exc:
         _throw_into(events, exc)
         raise
@@ -145,11 +147,31 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             log.close()
     if summary is not None:
         # After the trainer has ended (its ranks released, its watchdog gone): exporting and
-        # decoding take minutes, and a failed decode must not lose the training result above.
-        from labavg.decode.run import export_and_decode
+        # decoding take minutes.
+        summary = finish_run(run_dir, cfg, opened["source"], summary)
+    return summary
 
-        summary = replace(summary, **export_and_decode(run_dir, cfg, opened["source"],
-                                                       cfg.decode_data))
+
+def finish_run(run_dir: Path, cfg: TrainConfig, source, summary: RunSummary) -> RunSummary:
+    """The one way a run ends: its model (final.pt), then summary.json, the commit marker.
+
+    A run without its model is unfinished (labavg.jobs.run_dir.check_run_dir), so when
+    final.pt cannot be written nothing says the run finished and `labavg train --resume`
+    completes it from the last checkpoint, which is kept. The decode comes after the commit:
+    a failed decode does not lose the model, and a later one adds its figures
+    (decode_pending, finish_decode).
+    """
+    from labavg.decode.model import export_final_model
+    from labavg.decode.run import decode_fields
+
+    try:
+        export_final_model(run_dir, cfg, source)
+    except CannotWrite as exc:  # NoRoom's message says how to resume already
+        raise CannotWrite(f"{exc}; fix that, then `labavg train --resume {run_dir}` writes the "
+                          f"model from the run's last checkpoint (kept)") from None
+    _write_summary(run_dir, summary)
+    if cfg.decode_data is not None:
+        summary = replace(summary, **decode_fields(run_dir, cfg.decode_data))
         _write_summary(run_dir, summary)
     return summary
 
@@ -191,13 +213,14 @@ def decode_pending(run_dir: Path) -> bool:
 
 
 def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> RunSummary:
-    """Export and decode a finished run whose decode was cut short; return its new summary."""
-    from labavg.decode.run import export_and_decode
+    """Decode a finished run whose decode was cut short; return its new summary."""
+    from labavg.decode.run import decode_fields
 
     run_dir = Path(cfg.out)
     with run_dir_lock(run_dir):
-        summary = replace(load_summary(run_dir), **export_and_decode(
-            run_dir, cfg, open_source(cfg, allow_pipes), cfg.decode_data))
+        summary = load_summary(run_dir)
+        accept_run_dir(run_dir)
+        summary = replace(summary, **decode_fields(run_dir, cfg.decode_data))
         _write_summary(run_dir, summary)
     return summary
 

@@ -42,6 +42,7 @@ from labavg.base.checkpoint import atomic_write_text, latest_step
 from labavg.training.config import TrainConfig, config_from_dict, validate
 from labavg.base.settings import to_dict, with_overrides
 from labavg.base.errors import UserError
+from labavg.base.paths import require_writable
 from labavg.jobs.columns import Column, columns, csv_row, markdown_table
 from labavg.jobs.index import flatten_config
 from labavg.jobs.run_dir import RunDirBusy, lock_held, run_dir_lock
@@ -214,6 +215,7 @@ def run_sweep(
     if cwd is not None:
         out = out.resolve()
 
+    require_writable(out, "--out", "the sweep directory")
     make_corpora(sweep, cwd)
     out.mkdir(parents=True, exist_ok=True)
     rows, elsewhere, kept = [], [], 0

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError, one_line, user_error_of
+from labavg.base.paths import require_writable
 from labavg.studies.reproduction import beyond, regime
 from labavg.studies.reproduction.paper import base_settings
 from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
@@ -230,6 +231,11 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     exp = Experiments(experiments)
     jobs = _jobs(exp, out, yesno)
     results = results if results is not None else exp.directory / RESULTS_FILE
+    figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
+    # Before hours of training: every output the report and its figures go to.
+    require_writable(out, "--out", "the reproduction's directory")
+    for path, key in ((report, "--report"), (figure, "--figure"), (results, "results file")):
+        require_writable(path, key, "an output", file=True)
     if train:
         jobs += _real_speech_job(exp, out)
         for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
@@ -237,7 +243,6 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
         run_sweeps(jobs, parallel, results)
         if mpi:
             measure_mpi(exp.paper, out / "mpi")
-    figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
     beyond_figure = figure.with_name("beyond-the-paper.png")
     runs = with_recorded(collect(out), results)
     write_results_file(runs, results)
