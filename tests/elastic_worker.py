@@ -1,5 +1,6 @@
-"""One worker of the elastic communicator's tests: `python tests/elastic_worker.py RANK SIZE
-LIGHTHOUSE ROUNDS [--die-at R] [--pause S]`. Prints one JSON line per committed round."""
+"""One worker of the elastic communicator's tests: `python tests/elastic_worker.py ROUNDS
+[--rank R --size N --lighthouse URL] [--die-at R] [--pause S]`; rank, size and lighthouse come
+from the elastic launcher's environment where not given. Prints one JSON line per round."""
 
 import argparse
 import json
@@ -14,14 +15,16 @@ from labavg.comm.elastic import ElasticCommunicator
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("rank", type=int)
-    p.add_argument("size", type=int)
-    p.add_argument("lighthouse")
     p.add_argument("rounds", type=int)
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "-1")))
+    p.add_argument("--size", type=int, default=int(os.environ.get("WORLD_SIZE", "-1")))
+    p.add_argument("--lighthouse", default=os.environ.get("LABAVG_LIGHTHOUSE"))
+    p.add_argument("--die-rank", type=int, default=-1, help="only this rank dies (all if -1)")
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--pause", type=float, default=0.05)
     p.add_argument("--min-workers", type=int, default=1)
-    p.add_argument("--join", action="store_true")
+    p.add_argument("--join", action="store_true",
+                   default=os.environ.get("LABAVG_JOINING") == "1")
     p.add_argument("--same", action="store_true", help="every worker moves alike")
     a = p.parse_args()
     comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
@@ -34,7 +37,7 @@ def main() -> None:
         comm.gather(30)
     while int(state["round"]) < a.rounds:
         r = int(state["round"]) + 1
-        if r == a.die_at:
+        if r == a.die_at and a.die_rank in (-1, a.rank) and not a.join:
             os._exit(1)
         state["x"] += (1 if a.same else a.rank + 1) * 0.001 * r
         buf = state["x"].clone()
@@ -43,10 +46,12 @@ def main() -> None:
         state["momentum"].mul_(0.5).add_(buf)
         state["round"] += 1
         g = comm.last_round
-        print(json.dumps({"rank": a.rank, "round": int(state["round"]), "size": comm.size,
+        # One write per line, newline included: the workers of a job share one pipe.
+        sys.stdout.write(json.dumps({"rank": a.rank, "round": int(state["round"]), "size": comm.size,
                           "members": list(g.members), "healed": g.healed, "attempts": g.attempts,
                           "x": state["x"].tolist(), "m": state["momentum"].tolist(),
-                          "t": time.time()}), flush=True)
+                          "t": time.time()}) + "\n")
+        sys.stdout.flush()
         time.sleep(a.pause)
     comm.close()
 

@@ -25,7 +25,8 @@ ENV = dict(os.environ)
 
 
 def _start(rank: int, size: int, lighthouse: Lighthouse, rounds: int, *extra: str):
-    return subprocess.Popen([*WORKER, str(rank), str(size), lighthouse.address, str(rounds), *extra],
+    return subprocess.Popen([*WORKER, str(rounds), "--rank", str(rank), "--size", str(size),
+                             "--lighthouse", lighthouse.address, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                             cwd=ROOT)
 

@@ -56,8 +56,12 @@ class Round:
 
 def _quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO on stderr, which would bury labavg's own
-    lines; its warnings and errors still show. A RUST_LOG the user set is kept."""
+    lines; its warnings and errors still show. A RUST_LOG the user set is kept. Its Python side
+    warns of a GPU trace recorder on every reconfiguration, CPU or not: errors only."""
+    import logging
+
     os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.ERROR)
 
 
 class Lighthouse:
