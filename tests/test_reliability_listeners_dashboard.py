@@ -17,22 +17,25 @@ from tests.test_dashboard_serve import _start
 # -- constant time -----------------------------------------------------------------------------
 
 
-def _fastest(compare, given: str, expected: str, tries: int = 15) -> float:
-    best = float("inf")
+def _fastest(compare, expected: str, *givens: str, tries: int = 15) -> list[float]:
+    """The fastest of `tries` calls for each given password, interleaved (the machine is
+    shared: load that comes and goes then weighs on all of them alike)."""
+    best = [float("inf")] * len(givens)
     for _ in range(tries):
-        start = time.perf_counter()
-        compare(given, expected)
-        best = min(best, time.perf_counter() - start)
+        for i, given in enumerate(givens):
+            start = time.perf_counter()
+            compare(given, expected)
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
 def test_the_password_is_compared_in_a_time_that_does_not_depend_on_where_it_differs():
-    # A plain == stops at the first difference: 64 MiB differing at the first character
-    # against the last differ in time by a factor of thousands. Constant time: about 1.
-    expected = "p" * (64 << 20)
-    early = _fastest(password_matches, "X" + expected[1:], expected)
-    late = _fastest(password_matches, expected[:-1] + "X", expected)
-    assert 0.5 < early / late < 2, (early, late)
+    # A plain == stops at the first difference: 8 MiB differing at the first character
+    # against the last differ in time by a factor of about a thousand; constant time, about
+    # 1 (the bounds leave room for a shared machine's noise, not for an early exit).
+    expected = "p" * (8 << 20)
+    early, late = _fastest(password_matches, expected, "X" + expected[1:], expected[:-1] + "X")
+    assert 0.2 < early / late < 5, (early, late)
     assert password_matches(expected, expected) and not password_matches("", expected)
 
 
