@@ -175,6 +175,23 @@ def test_a_summary_without_its_model_is_an_unfinished_run_that_resume_completes(
     assert load_summary(run).resumed is True
 
 
+def test_a_run_its_newbob_schedule_ended_early_is_completed_where_it_ended(corpus, tmp_path):
+    """Completing a run resumes at its last checkpoint; one Newbob stopped must end there, not
+    train on (or fail: 'the Newbob schedule has already stopped')."""
+    from labavg.training.settings import NewbobConfig
+
+    cfg = replace(_config(corpus, tmp_path / "whole"), ranks=1, epochs=4, schedule="newbob",
+                  newbob=NewbobConfig(max_iters=1))
+    whole = run_training(cfg, progress=False)
+    run = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", run)
+    for name in ("summary.json", "final.pt"):  # its end cut short
+        (run / name).unlink()
+    completed = run_training(replace(cfg, out=str(run)), resume=True, progress=False)
+    assert completed.steps == whole.steps < latest_step(run)[0] * 4
+    assert (run / "final.pt").read_bytes() == (tmp_path / "whole" / "final.pt").read_bytes()
+
+
 # -- family 4: outputs that cannot be written are found before the work ---------------------
 
 

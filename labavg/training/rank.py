@@ -155,6 +155,8 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
     if cfg.schedule == "newbob" and progress.newbob is None:
         cv_loss0, cv_acc0 = _global_cv(run)
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
+    elif progress.newbob is not None and progress.newbob.stopped:
+        run.total_steps = progress.step  # resumed where the schedule ended training: finish
     # The averaging policy (K, the global model, any outer optimizer) from here on: every rank
     # holds the same parameters now, the broadcast or the checkpoint's.
     run.averager = new_averager(cfg.averaging, cfg.minibatch, flat, comm,
