@@ -115,7 +115,8 @@ def test_absurd_model_refused_before_anything_is_allocated():
     message = _refused({"model.hidden_layers": 10**12, "model.hidden_dim": 64})
     assert "model.hidden_layers=1000000000000" in message
     # inproc workers share one process, so each holds its own copy of the model.
-    assert "for 1000000000 inproc workers" in _refused({"ranks": 10**9})
+    # One worker fits: the message says it is the ranks, not the model (labavg issue 44).
+    assert "with ranks = 1000000000 in-process workers" in _refused({"ranks": 10**9})
 
 
 def test_check_model_size_with_the_real_dimensions():

@@ -245,8 +245,8 @@ def test_an_earlier_labavgs_averaging_settings_are_refused_with_where_they_went(
     assert line == (f"labavg: error: {old}: settings have moved: average_every is now "
                     f"averaging.average_every, bmuf is now averaging.bmuf")
     line = cli_refusal(work, ["--set", "average_every=5"])
-    assert line == ("labavg: error: setting 'average_every' has moved: it is now "
-                    "'averaging.average_every'")
+    assert line == ("labavg: error: --set average_every=5: setting 'average_every' has moved: "
+                    "it is now 'averaging.average_every'")
 
 
 class _RunsCode:

@@ -55,7 +55,8 @@ def test_a_bad_setting_is_refused_by_that_one_validation(corpus, tmp_path, valid
     out = tmp_path / "bad"
     code = main(["train", "--data", str(corpus), "--out", str(out), *SMALL, "--set", "lr=-1"])
     assert code == 2 and validations == [str(out)] and not out.exists()
-    assert capsys.readouterr().err == "labavg: error: lr must be positive and finite; got -1.0\n"
+    assert capsys.readouterr().err == ("labavg: error: --set lr=-1: lr must be positive and "
+                                       "finite; got -1.0\n")
 
 
 def test_a_rank_reads_its_launch_file_without_validating_again(corpus, tmp_path, validations):

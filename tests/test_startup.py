@@ -76,12 +76,15 @@ def test_info_of_runs_imports_no_torch(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--set", "lr=-1"), "labavg: error: lr must be positive and finite; got -1.0"),
-    (("--set", "no_such_key=1"), "labavg: error: unknown setting 'no_such_key'"),
-    (("--averaging", "half"), "labavg: error: averaging.method must be one of model, bmuf, "
-                              "diloco; got 'half'"),
+    # Each names the flag the value came from (labavg issue 44).
+    (("--set", "lr=-1"), "labavg: error: --set lr=-1: lr must be positive and finite; got -1.0"),
+    (("--set", "no_such_key=1"), "labavg: error: --set no_such_key=1: unknown setting "
+                                 "'no_such_key'"),
+    (("--averaging", "half"), "labavg: error: --averaging: averaging.method must be one of "
+                              "model, bmuf, diloco; got 'half'"),
     (("--set", "averaging.bmuf.momentum=1"),
-     "labavg: error: averaging.bmuf.momentum must be in [0, 1); got 1.0"),
+     "labavg: error: --set averaging.bmuf.momentum=1: averaging.bmuf.momentum must be in "
+     "[0, 1); got 1.0"),
     (("missing.toml",), "labavg: error: cannot read config file missing.toml: "
                         "No such file or directory"),
 ])

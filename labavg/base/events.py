@@ -8,6 +8,9 @@ nats, accuracies are fractions in [0, 1], `step` counts minibatches from the sta
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -168,18 +171,63 @@ EVENT_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
     RunFinished)}
 
 
-def event_from_dict(values: Mapping[str, Any]) -> Event | None:
-    """The typed event of one events.jsonl object (what `Event.to_dict` wrote); None for a
-    type this labavg does not know or an object that lacks one of its type's fields. Fields
-    added since the event was written take their defaults; fields it does not know are left out."""
-    cls = EVENT_TYPES.get(values.get("type"))
+def event_from_dict(values: Any) -> Event | None:
+    """The typed event of one events.jsonl object (what `Event.to_dict` wrote); None for
+    anything else a line can hold: JSON that is not an object, a type this labavg does not
+    know, an object that lacks one of its type's fields or has one of the wrong type (a
+    reader then skips it as a torn line). Fields added since the event was written take their
+    defaults; fields it does not know are left out."""
+    if not isinstance(values, Mapping):
+        return None
+    cls = EVENT_TYPES.get(values.get("type")) if isinstance(values.get("type"), str) else None
     if cls is None:
         return None
-    known = {f.name for f in dataclasses.fields(cls)}
-    fields = {k: v for k, v in values.items() if k in known}
+    hints = _hints(cls)
+    fields = {k: v for k, v in values.items() if k in hints}
+    if not all(_has_type(value, hints[key]) for key, value in fields.items()):
+        return None
+    if fields.get("rank", -1) < 0:
+        return None
     if isinstance(fields.get("fragment_bytes"), list):
         fields["fragment_bytes"] = tuple(fields["fragment_bytes"])  # JSON has no tuples
     try:
         return cls(**fields)
-    except TypeError:
+    except TypeError:  # a field missing
         return None
+
+
+def well_formed(values: Any) -> bool:
+    """Whether one events.jsonl line's JSON value is an event a reader can index by its
+    fields: an object with a text `type`, a `rank` >= 0 and, if it has one, an integer
+    `step`; of a type this labavg knows, one `event_from_dict` reads. A newer labavg's types
+    pass (a reader of typed events leaves them out)."""
+    if not isinstance(values, Mapping) or not isinstance(values.get("type"), str):
+        return False
+    if values["type"] in EVENT_TYPES:
+        return event_from_dict(values) is not None
+    rank, step = values.get("rank"), values.get("step", 0)
+    return _has_type(rank, int) and rank >= 0 and _has_type(step, int)
+
+
+@functools.cache
+def _hints(cls: type[Event]) -> dict[str, Any]:
+    """The type of each field of an event class."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has an event field's type (an int is a float; NaN is a float)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, (list, tuple)) and all(_has_type(v, int) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)

@@ -1,7 +1,8 @@
 """JSON files read back as untrusted input: a file may be damaged (a crash mid-copy, a disk
 error, a hand edit) or hostile. `load_json` turns every way a file can be bad into one
 UserError naming the file; `check_fields` names the first field of the wrong type, so that
-a reader formats only values of the type it expects.
+a reader formats only values of the type it expects. `strict_json` is JSON for other
+programs: no bare NaN or Infinity, which Python writes and strict parsers refuse.
 """
 
 from __future__ import annotations
@@ -137,3 +138,19 @@ def check_fields(values: Any, fields: dict[str, str], path: Path, what: str,
     return values
 
 
+
+
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """`value` as JSON any parser reads: a NaN or infinite number (a diverged run's loss, a
+    damaged file's figure) is null."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

@@ -149,33 +149,44 @@ def sections_of(obj: Any, prefix: str = "") -> Iterator[tuple[Any, str]]:
             yield from sections_of(value, f"{prefix}{f.name}.")
 
 
-def _rule_problem(obj: Any, prefix: str) -> str | None:
+def _rule_problem(obj: Any, prefix: str) -> tuple[str, str] | None:
     for f in dataclasses.fields(obj):
         rule, value = f.metadata.get("rule"), getattr(obj, f.name)
         if rule is not None and value is not None and not rule.ok(value):
-            return bad(prefix + f.name, rule.text, value)
+            return prefix + f.name, bad(prefix + f.name, rule.text, value)
     return None
 
 
-def first_problem(obj: Any, prefix: str = "") -> str | None:
-    """The first broken rule of `obj` and its sections, or None.
+def first_broken(obj: Any, prefix: str = "") -> tuple[str | None, str] | None:
+    """(dotted key, message) of the first broken rule of `obj` and its sections, or None;
+    the key is None for a section's `problem`, which ties several keys together.
 
     Single values first, in every section: a cross-field message about a value that is
     itself bad would point at the wrong key. Then each section's own `problem`."""
     sections = list(sections_of(obj, prefix))
     for section, at in sections:
-        problem = _rule_problem(section, at)
-        if problem is not None:
-            return problem
+        found = _rule_problem(section, at)
+        if found is not None:
+            return found
     for section, at in sections:
         check = getattr(section, "problem", None)
         problem = check(at) if check is not None else None
         if problem is not None:
-            return problem
+            return None, problem
     return None
 
 
+def first_problem(obj: Any, prefix: str = "") -> str | None:
+    """The message of `first_broken`, or None."""
+    found = first_broken(obj, prefix)
+    return None if found is None else found[1]
+
+
 def section_class(cls: type, part: str) -> type:
+    """The class of table `part` of `cls`; KeyError when `cls` has no such key, or is a value
+    (`lr.x`: lr is a float, not a table)."""
+    if not dataclasses.is_dataclass(cls):
+        raise KeyError(part)
     tables = named_tables(cls)
     if part in tables:
         return tables[part][1]
@@ -188,6 +199,8 @@ def field_of(cls: type, dotted: str) -> dataclasses.Field:
     *parents, leaf = dotted.split(".")
     for part in parents:
         cls = section_class(cls, part)
+    if not dataclasses.is_dataclass(cls):
+        raise KeyError(leaf)
     return next(f for f in dataclasses.fields(cls)
                 if f.name == leaf and not f.metadata.get("sections"))
 
@@ -197,6 +210,8 @@ def type_of(cls: type, dotted: str) -> Any:
     *parents, leaf = dotted.split(".")
     for part in parents:
         cls = section_class(cls, part)
+    if not dataclasses.is_dataclass(cls):
+        raise KeyError(leaf)
     return type_hints(cls)[leaf]
 
 

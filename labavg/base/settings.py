@@ -2,22 +2,32 @@
 labavg.base.schema) from nested plain values (TOML, config.json) and `to_dict` turns it back,
 `load_toml` reads a file, `with_overrides` replaces dotted keys (`--set`, a form's boxes), and
 `check_value` judges one value for one key. Files are parsed, never executed. Errors are
-UserErrors naming the file or key. Imports no torch.
+UserErrors naming the file or key.
+
+A settings object built here remembers where each of its values was read from (`sources_of`:
+the file, the flag, `--set KEY=VALUE`), so that validation, which runs once on the merged
+settings, names the file or flag of the value it refuses (`first_named_problem`, `named`).
+Imports no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError
-from labavg.base.schema import (bad, field_of, first_problem, named_tables, section_class,
-                                table_keys, type_hints, type_of)
+from labavg.base.schema import (bad, field_of, first_broken, first_problem, named_tables,
+                                section_class, table_keys, type_hints, type_of)
+
+# Where a built settings object keeps the sources of its values: not a field, so that to_dict,
+# config.json and equality never see it.
+_SOURCES = "_labavg_sources"
 
 
 def _coerce_scalar(value: Any, hint: Any, source: str, key: str) -> Any:
@@ -103,12 +113,15 @@ def from_dict(cls: type, values: Any, source: str, prefix: str = "") -> Any:
             raise UserError(f"{source}: unknown key {prefix}{key}; known keys: "
                             f"{', '.join(table_keys(cls))}")
     try:
-        return cls(**kwargs)
+        built = cls(**kwargs)
     except ValueError as exc:  # a dataclass's own check
         problem = first_problem(_unchecked(cls, kwargs), prefix)
         if problem is not None:
             raise UserError(f"{source}: {problem}") from None
         raise UserError(f"{source}: {prefix[:-1] or 'settings'}: {exc}") from None
+    if not prefix:
+        _remember(built, {key: source for key in _leaves(values)})
+    return built
 
 
 def _moved(cls: type, key: str, value: Any) -> str | None:
@@ -168,26 +181,93 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return out
 
 
-def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
-    """Return a copy of `cfg` with dotted keys (`model.hidden_dim`) replaced by values."""
-    values = to_dict(cfg)
+def with_overrides(cfg: Any, overrides: dict[str, Any],
+                   sources: Mapping[str, str] | None = None) -> Any:
+    """Return a copy of `cfg` with dotted keys (`model.hidden_dim`) replaced by values.
+
+    `sources` names where each key was given ("--lr", "--set lr=1"): an error about a key
+    names it, and the copy remembers it for validation (`sources_of`); a key given without
+    one forgets where its old value came from."""
+    values, given = to_dict(cfg), sources_of(cfg)
     for dotted, value in overrides.items():
+        source = (sources or {}).get(dotted)
         node = values
         *parents, leaf = dotted.split(".")
         for part in parents:
             if not isinstance(node.get(part), dict):
-                raise UserError(_unknown_setting(cfg, dotted))
+                raise UserError(_at(source, _unknown_setting(cfg, dotted)))
             node = node[part]
         if leaf not in node:
-            raise UserError(_unknown_setting(cfg, dotted))
+            raise UserError(_at(source, _unknown_setting(cfg, dotted)))
+        _check_type(type(cfg), dotted, value, source or "command line")
         node[leaf] = value
-    return from_dict(type(cfg), values, "command line")
+        given = {k: v for k, v in given.items() if k != dotted and not k.startswith(dotted + ".")}
+        if source is not None:
+            given.update({key: source for key in _leaves({dotted: value})})
+    out = from_dict(type(cfg), values, "command line")
+    _remember(out, given)
+    return out
+
+
+def _check_type(cls: type, dotted: str, value: Any, source: str) -> None:
+    """UserError naming `source` unless `value` has the type of key `dotted` of `cls` (a
+    table's keys, types and values for a table)."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        cls = section_class(cls, part)
+    hint = section_class(cls, leaf)
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        from_dict(hint, value, source, dotted + ".")
+    else:
+        coerce(value, hint, source, dotted)
+
+
+def _at(source: str | None, message: str) -> str:
+    return message if source is None else f"{source}: {message}"
+
+
+def _leaves(values: Mapping[str, Any], prefix: str = "") -> Iterator[str]:
+    """The dotted keys of the values (not tables) in nested plain values."""
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield prefix + str(key)
+
+
+def _remember(obj: Any, sources: dict[str, str]) -> None:
+    object.__setattr__(obj, _SOURCES, sources)
+
+
+def sources_of(cfg: Any) -> dict[str, str]:
+    """Where each value of `cfg` was read from, by dotted key ({"lr": "run.toml", "epochs":
+    "--epochs"}); a value left at its default or set by code has none."""
+    return dict(getattr(cfg, _SOURCES, {}))
+
+
+def named(cfg: Any, message: str, key: str | None = None) -> str:
+    """`message` about setting `key` of `cfg` after the file or flag its value came from; for
+    a message about several settings (key None), after the sources of those it names."""
+    found = sources_of(cfg)
+    keys = [key] if key is not None else [
+        k for k in found if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w]|\.\w)", message)]
+    where = list(dict.fromkeys(found[k] for k in keys if k in found))
+    return f"{', '.join(where)}: {message}" if where else message
+
+
+def first_named_problem(cfg: Any) -> str | None:
+    """The first broken rule of `cfg` (schema.first_broken), named with where its value came
+    from; None when every value is good."""
+    found = first_broken(cfg)
+    return None if found is None else named(cfg, found[1], found[0])
 
 
 def _unknown_setting(cfg: Any, dotted: str) -> str:
     """The message for a dotted key `cfg` has not: where it moved, when it has."""
     cls, parts = type(cfg), dotted.split(".")
     for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):  # `lr.x`: a path through a value
+            return f"unknown setting {dotted!r}: {'.'.join(parts[:i])} is a value, not a table"
         new = getattr(cls, "MOVED", {}).get(part)
         if new is not None and part not in {f.name for f in dataclasses.fields(cls)}:
             where = ".".join(parts[:i] + [new] + parts[i + 1:])

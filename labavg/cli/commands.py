@@ -70,17 +70,18 @@ def train_config(args: argparse.Namespace):
         cfg = load_config(args.config)
     else:
         cfg = TrainConfig()
-    overrides = {}
+    overrides, sources = {}, {}  # sources: the flag each key came from, for its messages
     for flag in cli_flags():
         value = getattr(args, _dest(flag))
         if value is not None and value is not False:  # only flags the user gave override
-            overrides[flag.key] = value
+            overrides[flag.key], sources[flag.key] = value, flag.flag
     overrides.update(_parse_set(args.set))
+    sources.update({item.partition("=")[0].strip(): f"--set {item}" for item in args.set})
     if args.resume:
         overrides["out"] = args.resume
         # A fault is injected once: the resumed run is the recovery from it.
         overrides.setdefault("inject_fault", None)
-    return with_overrides(cfg, overrides)
+    return with_overrides(cfg, overrides, sources)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -242,9 +243,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from labavg.base.errors import one_line
+    from labavg.base.json_files import strict_json
     from labavg.base.settings import to_dict
     from labavg.jobs.index import list_runs
-    from labavg.jobs.summary import format_runs
+    from labavg.jobs.summary import format_runs, with_derived
 
     records, seen, problems = [], set(), []
     for path in args.run_dirs:
@@ -256,13 +258,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     records = [r for r in records if r.damaged is None]
     problems = list(dict.fromkeys(problems))  # a run named twice is read twice
     if args.json:
-        summaries = [{"run": str(r.path), **r.summary.to_dict()} if r.summary is not None else
+        # Derived figures measured again, as the table does; strict JSON (no bare NaN).
+        summaries = [{"run": str(r.path), **with_derived(r.summary).to_dict()}
+                     if r.summary is not None else
                      {"run": str(r.path), "status": "running/incomplete",
                       "config": to_dict(r.config)} for r in records]
         # One run named by itself prints its object, as before; anything searched is a list.
         single = (len(summaries) == 1 and len(args.run_dirs) == 1
                   and records[0].path == Path(args.run_dirs[0]))
-        print(json.dumps(summaries[0] if single else summaries, indent=2))
+        print(strict_json(summaries[0] if single else summaries, indent=2))
     elif records:
         print(format_runs([(str(r.path), None, r.summary) if r.summary is not None else
                            (f"{r.path} (running/incomplete)", r.config, None) for r in records]))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError
-from labavg.base.events import Event, event_from_dict
+from labavg.base.events import Event, event_from_dict, well_formed
 from labavg.base.settings import to_dict
 from labavg.jobs.run_json import CONFIG, SUMMARY, RunSummary, read_run_config
 from labavg.jobs.summary import NotFinished, load_summary
@@ -31,7 +31,11 @@ class EventTail:
     """Reads the lines appended to an events.jsonl since the last call.
 
     A last line without its newline is still being written: it is kept and completed by the
-    next read, so a reader never parses half a JSON object.
+    next read, so a reader never parses half a JSON object. A line is checked for its shape
+    as it is read: one that is no event (torn by a crashed writer, JSON that is not an
+    object, an object without `rank`, a field of the wrong type:
+    labavg.base.events.well_formed) is skipped, so that a reader gets only events it can
+    index by their fields.
     """
 
     def __init__(self, path: Path) -> None:
@@ -54,9 +58,11 @@ class EventTail:
         for line in lines:
             if line.strip():
                 try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
+                    event = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                     continue  # a torn line from a crashed writer: skip, keep following
+                if well_formed(event):
+                    events.append(event)
         return events
 
 

@@ -26,28 +26,43 @@ from pathlib import Path
 
 from labavg.base.errors import UserError
 from labavg.base.events import Event, event_from_dict
+from labavg.base.json_files import FLAG, OBJECT, TEXT, check_fields, load_json
 from labavg.base.settings import to_dict
 from labavg.base.waiting import Deadline, wait_until
 from labavg.jobs.job_outcome import JobFailed, last_steps, lost_ranks, srun_lost
 from labavg.jobs.launcher_output import LauncherOutput
 from labavg.jobs.run_json import RunSummary
-from labavg.training.config import TrainConfig, config_from_dict
+from labavg.training.config import TrainConfig, check_values, config_from_dict
+
+# True where the caller says an interruption itself, in one line for everything it ended
+# (labavg.cli.signals): a job it started then ends without a line of its own.
+interrupts_said_by_caller: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "labavg_interrupts_said_by_caller", default=False)
 
 LAUNCH_FILE = ".launch.json"
+LAUNCH_FIELDS = {"config": OBJECT, "resume": FLAG, "stop_file": TEXT}  # what JobRun writes
 RANK_MODULE = "labavg.jobs.rank_main"  # what a job's ranks run (`python -m`)
 STOP_FILE = ".stop"
 
 
 def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
-    """In a rank started by JobRun: (config, resume, stop file) from its launch file, as
-    start_run validated it (only its types are checked again, as it is read back)."""
+    """In a rank started by JobRun: (config, resume, stop file) from its launch file. The file
+    is read back as any settings are: its shape and types checked, then every setting's rule
+    (check_values), each refusal one line naming the file, before anything is trained."""
     path = Path(path)
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the launch file {path}: {exc}") from None
-    cfg = config_from_dict(values.get("config"), str(path))
-    return cfg, bool(values.get("resume")), values.get("stop_file")
+        values = load_json(path)
+    except FileNotFoundError:
+        raise UserError(f"cannot read the launch file {path}: no such file") from None
+    check_fields(values, LAUNCH_FIELDS, path, "launch file")
+    unknown = [key for key in values if key not in LAUNCH_FIELDS]
+    if unknown:
+        raise UserError(f"{path}: unknown key {unknown[0]!r} in a launch file; known keys: "
+                        f"{', '.join(LAUNCH_FIELDS)}"[:300])
+    if values.get("config") is None:
+        raise UserError(f"{path}: a launch file without its config")
+    cfg = check_values(config_from_dict(values["config"], str(path)))
+    return cfg, values.get("resume") is True, values.get("stop_file")
 
 
 def rank_argv(launch_file: Path, *, progress: bool, allow_pipes: bool) -> list[str]:
@@ -173,6 +188,8 @@ class JobRun:
         import signal
 
         self.code = 128 + signum
+        if interrupts_said_by_caller.get():  # read in the context the job was started in
+            return
         print(f"labavg: interrupted ({signal.Signals(signum).name}): every rank of the "
               f"{_job_kind(self.cfg)} job has ended; `labavg train --resume {self.cfg.out}` "
               f"continues it from its last checkpoint", file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
     python -m labavg.jobs.rank_main LAUNCH_FILE [--no-progress] [--allow-pipes]
 
 LAUNCH_FILE is the run's configuration as start_run checked it (RUN_DIR/.launch.json): a rank
-reads it back, does not check it again, and never goes through the command line's parser.
+reads it back as untrusted settings (its shape, types and every setting's rule checked again,
+labavg.jobs.job_run.rank_config) and never goes through the command line's parser.
 `--allow-pipes` comes only from this command line, never from the file, so that no file can
 switch it on. A rank ends as `labavg train` would (labavg.jobs.exit_status), which is what
 JobRun reads to say once why a job ended.

@@ -14,6 +14,7 @@ start, the dashboard, the notebooks and REPRODUCTION.md all read a run's speedup
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from labavg.jobs.run_json import RunSummary, as_summary
 
 # Backends whose ranks are threads of one process (one interpreter, one lock between ops).
 THREAD_BACKENDS = ("inproc",)
+# Past this, a summary's ranks or cores read back are no count (and no float holds 10**400).
+MAX_RANKS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -57,16 +60,23 @@ class Speedup:
             where += f" on {self.cores} core{'s' if self.cores != 1 else ''}"
         if self.load is not None:
             where += f", load {self.load:.1f}"
-        spread = (f"{self.low:.2f}-{self.high:.2f} over {self.pairs} pairs" if self.pairs > 1
-                  else "1 pair")
-        line = f"{self.value:.2f}x ({spread}; {where})"
+        spread = (f"{_figure(self.low)}-{_figure(self.high)} over {self.pairs} pairs"
+                  if self.pairs > 1 else "1 pair")
+        line = f"{_figure(self.value)}x ({spread}; {where})"
         return f"{line}; {self.flag}" if self.flag else line
+
+
+def _figure(value: float) -> str:
+    """A speedup as a table shows it: two decimals, or three digits for an absurd one read
+    back (not 300 digits)."""
+    return f"{value:.2f}" if abs(value) < 1e4 else f"{value:.3g}"
 
 
 def measured_speedup(pairs: Iterable[tuple[float, float]], ranks: int, cores: int = 0,
                      load: float | None = None, threads: bool = False) -> Speedup:
     """The speedup of `ranks` ranks from (solo, parallel) seconds-per-minibatch pairs."""
-    ratios = [ranks * solo / parallel for solo, parallel in pairs if solo > 0 and parallel > 0]
+    ratios = [r for r in (_ratio(ranks, solo, parallel) for solo, parallel in pairs)
+              if r is not None]
     bound = float(min(ranks, cores)) if cores else float(ranks)
     if ranks == 1:
         return Speedup(1.0, 1.0, 1.0, 0, 1, cores, 1.0, load, threads, None)
@@ -74,6 +84,18 @@ def measured_speedup(pairs: Iterable[tuple[float, float]], ranks: int, cores: in
     return Speedup(value, min(ratios, default=None), max(ratios, default=None), len(ratios),
                    ranks, cores, bound, load, threads,
                    _flag(value, max(ratios, default=None), ranks, cores, bound, load, threads))
+
+
+def _ratio(ranks: int, solo: float, parallel: float) -> float | None:
+    """One pair's speedup; None for a pair that measured nothing (a time not positive) or
+    whose ratio is no number (extreme values read back: 1e308 / 1e-308 is inf)."""
+    if not (solo > 0 and parallel > 0):  # NaN is neither
+        return None
+    try:
+        ratio = ranks * solo / parallel
+    except (OverflowError, ZeroDivisionError):
+        return None
+    return ratio if math.isfinite(ratio) and ratio > 0 else None
 
 
 def shared_bound(ranks: int, cores: int, load: float | None) -> float | None:
@@ -124,16 +146,19 @@ def speedup_from_events(events: Iterable[Event]) -> Speedup | None:
 
 
 def speedup_from_summary(summary: RunSummary | Mapping[str, Any]) -> Speedup | None:
-    """The speedup summary.json records (None for a summary written before pairs existed)."""
+    """The speedup summary.json records, measured again from its pairs (its stored figures are
+    never passed on); None for a summary written before pairs existed, or whose ranks are no
+    count of ranks."""
     s = as_summary(summary)
-    if not isinstance(s.ranks, int) or s.ranks < 1:
+    if not isinstance(s.ranks, int) or not 1 <= s.ranks <= MAX_RANKS:
         return None
     if s.ranks > 1 and not isinstance(s.speedup_pairs, list):
         return None
-    load = s.load_at_start
+    load, cores = s.load_at_start, s.cores
     return measured_speedup([tuple(p) for p in s.speedup_pairs or []], s.ranks,
-                            s.cores if isinstance(s.cores, int) else 0,
-                            load if isinstance(load, (int, float)) else None,
+                            cores if isinstance(cores, int) and 0 <= cores <= MAX_RANKS else 0,
+                            load if isinstance(load, (int, float)) and math.isfinite(load)
+                            and load >= 0 else None,
                             _threads(s.backend))
 
 

@@ -10,7 +10,7 @@ table shows the K the run trained with.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,30 @@ def make_summary(end: RunEnd) -> RunSummary:
     """The summary.json of a run: each field from where RunSummary says it comes from."""
     return RunSummary(**{name: value_at(end, path.split("."))
                          for name, path in summary_sources().items()})
+
+
+def with_derived(summary: RunSummary) -> RunSummary:
+    """`summary` with the figures it derives measured again from what they derive from: the
+    speedup's from its pairs (labavg.jobs.speedup), the rounds, bytes and communication share
+    from their parts; what a reader hands on of a summary read back, never its stored figures
+    (a damaged summary's speedup of -5 becomes what its pairs give, as the table shows)."""
+    s = summary
+    speedup = speedup_from_summary(s)
+    figures = {"speedup": None, "speedup_low": None, "speedup_high": None, "speedup_bound": None,
+               "speedup_flag": None, "parallel_efficiency": None, "speedup_text": None}
+    if speedup is not None:
+        figures = {"speedup": speedup.value, "speedup_low": speedup.low,
+                   "speedup_high": speedup.high, "speedup_bound": speedup.bound,
+                   "speedup_flag": speedup.flag, "parallel_efficiency": speedup.efficiency,
+                   "speedup_text": speedup.text()}
+    numbers = lambda *v: all(isinstance(x, (int, float)) for x in v)  # noqa: E731
+    figures["all_rounds"] = (s.averaging_rounds - s.node_rounds
+                             if numbers(s.averaging_rounds, s.node_rounds) else None)
+    figures["all_bytes_sent"] = (s.bytes_sent - s.node_bytes_sent
+                                 if numbers(s.bytes_sent, s.node_bytes_sent) else None)
+    figures["comm_fraction"] = (s.comm_seconds / max(s.compute_seconds + s.comm_seconds, 1e-12)
+                                if numbers(s.comm_seconds, s.compute_seconds) else None)
+    return replace(s, **figures)
 
 
 def comm_hidden_fraction(finished: RunFinished) -> float | None:

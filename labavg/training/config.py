@@ -24,9 +24,9 @@ from labavg.base.errors import UserError
 from labavg.base.faults import parse_fault
 from labavg.base.paths import check_directory
 from labavg.base.schema import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag, Rule, bad,
-                                field_of, first_problem, flags, integer, one_of, real, setting,
-                                type_of)
-from labavg.base.settings import check_value, from_dict, load_toml, with_overrides
+                                field_of, flags, integer, one_of, real, setting, type_of)
+from labavg.base.settings import (check_value, first_named_problem, from_dict, load_toml, named,
+                                  with_overrides)
 from labavg.comm.settings import BACKENDS
 from labavg.data.settings import DataConfig
 from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig
@@ -233,27 +233,47 @@ def estimate_memory(cfg: TrainConfig, input_dim: int, num_pdfs: int) -> int:
 
 
 def check_model_size(cfg: TrainConfig, input_dim: int, num_pdfs: int,
-                     memory: int | None = None) -> int:
+                     memory: int | None = None, *, smallest: bool = False) -> int:
     """UserError unless `estimate_memory` fits in MEMORY_FRACTION of physical memory.
 
     Call it with the real input dim (feature dim x (2 context + 1)) and number of pdfs once
-    the data is open, before the model is built. `memory` (bytes) replaces the machine's
-    physical memory (tests); where neither is known the check passes. Returns the estimate.
+    the data is open, before the model is built; `smallest` says the dimensions are only the
+    smallest plausible data's (validation's, before the data is open), which a message must
+    not present as the data's. `memory` (bytes) replaces the machine's physical memory
+    (tests); where neither is known the check passes. Returns the estimate.
     """
     need = estimate_memory(cfg, input_dim, num_pdfs)
     memory = physical_memory() if memory is None else memory
-    if memory is not None and need > MEMORY_FRACTION * memory:
-        m = cfg.model
-        params = parameter_count(m, input_dim, num_pdfs)
-        workers = f" for {cfg.ranks} inproc workers" if cfg.backend == "inproc" and cfg.ranks > 1 else ""
+    if memory is None or need <= MEMORY_FRACTION * memory:
+        return need
+    limit = f"the limit is {MEMORY_FRACTION:g} of this machine's {memory / 2**30:.3g} GiB"
+    data = ("even on the smallest data" if smallest
+            else f"on {input_dim} inputs and {num_pdfs} pdfs")
+    workers = cfg.ranks if cfg.backend == "inproc" else 1
+    if workers > 1 and need / workers <= MEMORY_FRACTION * memory:
+        # One worker fits: the number of workers in this one process is what does not.
         raise UserError(
-            f"the model does not fit in memory: model.hidden_layers={m.hidden_layers}, "
-            f"model.hidden_dim={m.hidden_dim}, minibatch={cfg.minibatch}, "
-            f"data.buffer_frames={cfg.data.buffer_frames} on {input_dim} inputs and {num_pdfs} "
-            f"pdfs give {params:.3g} parameters, about {need / 2**30:.3g} GiB{workers}; the "
-            f"limit is {MEMORY_FRACTION:g} of this machine's {memory / 2**30:.3g} GiB"
-        )
-    return need
+            f"the model does not fit in memory with ranks = {cfg.ranks} in-process workers: "
+            f"each needs about {need / workers / 2**30:.3g} GiB {data}, {need / 2**30:.3g} GiB "
+            f"in all; {limit} (fewer ranks, or backend mpi for a process per rank)")
+    m = cfg.model
+    params = parameter_count(m, input_dim, num_pdfs)
+    of_workers = f" for {cfg.ranks} inproc workers" if workers > 1 else ""
+    raise UserError(
+        f"the model does not fit in memory: model.hidden_layers={m.hidden_layers}, "
+        f"model.hidden_dim={m.hidden_dim}, minibatch={cfg.minibatch}, "
+        f"data.buffer_frames={cfg.data.buffer_frames} give {params:.3g} parameters {data}, "
+        f"about {need / 2**30:.3g} GiB{of_workers}; {limit}")
+
+
+def check_values(cfg: TrainConfig) -> TrainConfig:
+    """UserError naming the first bad value (each setting's rule, then what ties settings
+    together) and the file or flag it came from; what every source of settings goes through,
+    a rank's launch file included. `validate` adds what needs this machine."""
+    problem = first_named_problem(cfg)
+    if problem is not None:
+        raise UserError(problem)
+    return cfg
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -261,23 +281,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     Every field of every section is checked (its rule), then what ties them together (each
     section's `problem`), the run directory, and the model's size for the smallest plausible
-    data.
+    data. Each message names the file or flag of the values it is about.
     """
-    problem = first_problem(cfg)
-    if problem is not None:
-        raise UserError(problem)
+    check_values(cfg)
     if not NONEMPTY.ok(cfg.out):
-        raise UserError(bad("out", "a non-empty path (the run directory)", cfg.out))
+        raise UserError(named(cfg, bad("out", "a non-empty path (the run directory)", cfg.out), "out"))
     problem = check_directory(cfg.out, "out", "the run directory")
     if problem is not None:
-        raise UserError(problem)
+        raise UserError(named(cfg, problem, "out"))
     if cfg.pretrain == "rbm" and cfg.model.nonlinearity != "sigmoid":
-        raise UserError("pretrain = 'rbm' initialises sigmoid layers; set model.nonlinearity = 'sigmoid'")
+        raise UserError(named(cfg, "pretrain = 'rbm' initialises sigmoid layers; set "
+                                   "model.nonlinearity = 'sigmoid'"))
     if cfg.inject_fault is not None:
         fault = parse_fault(cfg.inject_fault)
         if fault.kind == "kill" and cfg.backend == "inproc":
-            raise UserError("inject_fault 'kill' needs processes: use backend 'mpi' or 'torch'")
+            raise UserError(named(cfg, "inject_fault 'kill' needs processes: use backend 'mpi' or 'torch'"))
         if fault.rank >= cfg.ranks:
-            raise UserError(f"inject_fault names rank {fault.rank} but the run has {cfg.ranks} ranks")
-    check_model_size(cfg, MIN_FEAT_DIM * (2 * cfg.data.context + 1), MIN_NUM_PDFS)
+            raise UserError(named(cfg, f"inject_fault names rank {fault.rank} but the run has "
+                                       f"{cfg.ranks} ranks"))
+    try:
+        check_model_size(cfg, MIN_FEAT_DIM * (2 * cfg.data.context + 1), MIN_NUM_PDFS,
+                         smallest=True)
+    except UserError as exc:
+        raise UserError(named(cfg, str(exc))) from None
     return cfg
