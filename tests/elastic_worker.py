@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--join", action="store_true",
                    default=os.environ.get("LABAVG_JOINING") == "1")
     p.add_argument("--same", action="store_true", help="every worker moves alike")
+    p.add_argument("--admit", action="store_true",
+                   help="each round: an admission round, then two means of other sizes")
     a = p.parse_args()
     comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
                                timeout_s=5, quorum_timeout_s=10)
@@ -41,6 +43,12 @@ def main() -> None:
             os._exit(1)
         state["x"] += (1 if a.same else a.rank + 1) * 0.001 * r
         buf = state["x"].clone()
+        healed = False
+        if a.admit:
+            # As the trainer does: admission, then the averager's collectives (other sizes).
+            healed = comm.admit().healed
+            other = torch.full((1000,), float(a.rank))
+            comm.allreduce_mean(other)
         comm.allreduce_mean(buf)
         state["x"].copy_(buf)
         state["momentum"].mul_(0.5).add_(buf)
@@ -48,7 +56,7 @@ def main() -> None:
         g = comm.last_round
         # One write per line, newline included: the workers of a job share one pipe.
         sys.stdout.write(json.dumps({"rank": a.rank, "round": int(state["round"]), "size": comm.size,
-                          "members": list(g.members), "healed": g.healed, "attempts": g.attempts,
+                          "members": list(g.members), "healed": g.healed or healed, "attempts": g.attempts,
                           "x": state["x"].tolist(), "m": state["momentum"].tolist(),
                           "t": time.time()}) + "\n")
         sys.stdout.flush()

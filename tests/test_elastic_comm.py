@@ -44,12 +44,16 @@ def lighthouse():
 
 
 def test_survivors_go_on_without_a_lost_worker_and_a_joiner_heals(lighthouse):
-    workers = [_start(r, 3, lighthouse, 60, *(["--die-at", "10"] if r == 2 else []))
+    """Each round opens with an admission round, then two means of other sizes, as the
+    trainer's averaging rounds do: the joiner is let in only at an admission round, whatever
+    the survivors are reducing when it arrives."""
+    mode = ["--admit"]
+    workers = [_start(r, 3, lighthouse, 60, *mode, *(["--die-at", "10"] if r == 2 else []))
                for r in range(3)]
     assert workers[2].wait(timeout=120) == 1
     died = time.time()
     time.sleep(1.0)
-    joiner = _start(2, 3, lighthouse, 60, "--join")
+    joiner = _start(2, 3, lighthouse, 60, "--join", *mode)
     (a, err_a), (b, err_b), (j, err_j) = (_rounds(p) for p in (workers[0], workers[1], joiner))
     assert workers[0].returncode == workers[1].returncode == joiner.returncode == 0, \
         err_a[-500:] + err_b[-500:] + err_j[-500:]

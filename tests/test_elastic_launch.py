@@ -48,7 +48,8 @@ def _gone(pids) -> bool:
 
 
 def test_a_lost_worker_is_reported_once_the_others_finish_and_a_join_takes_its_place(tmp_path):
-    job = _launch(tmp_path, 3, "80", "--die-rank", "2", "--die-at", "10", "--pause", "0.1")
+    job = _launch(tmp_path, 3, "80", "--admit", "--die-rank", "2", "--die-at", "10",
+                  "--pause", "0.1")
     pids = {int(p) for p in _state(tmp_path)["workers"].values()}
     deadline = time.monotonic() + 90
     while len(_state(tmp_path)["workers"]) == 3 and time.monotonic() < deadline:

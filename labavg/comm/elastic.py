@@ -99,6 +99,7 @@ class ElasticCommunicator:
         self._state: Callable[[], Any] = dict
         self._load: Callable[[Any], None] = lambda state: None
         self._healed = False
+        self._spectator = False
         timeout = timedelta(seconds=timeout_s)
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         if self.device.type == "cuda":
@@ -138,7 +139,7 @@ class ElasticCommunicator:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            self.barrier()
+            self.admit()
             if self.size == self.launch_size:
                 return
             if time.monotonic() > deadline:
@@ -149,11 +150,14 @@ class ElasticCommunicator:
         self._healed = True
         self._load(state)
 
-    def _reduce(self, buf: torch.Tensor, mean: bool) -> None:
+    def _reduce(self, buf: torch.Tensor, mean: bool, admit: bool = False) -> None:
         """One round: quorum, SUM of float `buf` with a membership row beside it, commit.
 
         The row is 1 at each member's launch rank: a healing worker's contribution is zeroed by
-        torchft, so the row says exactly whose buffers are in the sum.
+        torchft and a spectator's by us, so the row says exactly whose buffers are in the sum.
+        Only an `admit` round lets a new worker in (torchft's shrink_only quorum elsewhere):
+        its first collective is an admission round too, so the shapes of what both sides
+        reduce always match.
         """
         from torch.distributed import ReduceOp
 
@@ -162,8 +166,8 @@ class ElasticCommunicator:
         original = torch.cat([buf, row])
         for attempt in range(1, ROUND_RETRIES + 2):
             self._healed = False
-            work = original.clone()
-            self._manager.start_quorum()
+            work = torch.zeros_like(original) if self._spectator else original.clone()
+            self._manager.start_quorum(shrink_only=not admit)
             try:
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
             except TimeoutError as exc:
@@ -176,11 +180,21 @@ class ElasticCommunicator:
             buf.copy_(work[: buf.numel()])
             if mean:
                 buf.div_(self.size)
+            # A worker that healed sits out the rest of the averaging round it joined in: the
+            # survivors' buffers in it were computed before its state was theirs.
+            self._spectator = self._spectator or self._healed
             self.last_round = Round(self._manager.current_step(), self.members, self._healed,
                                     attempt)
             return
         raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
                             f"workers present: {self._manager.errored()}")
+
+    def admit(self) -> Round:
+        """The round that opens each averaging round: who is present, joiners let in (they heal
+        here and sit out the rest of this averaging round; they take part from the next)."""
+        self._spectator = False
+        self._reduce(torch.zeros(1, dtype=torch.float64), mean=False, admit=True)
+        return self.last_round
 
     def allreduce_mean(self, buf: torch.Tensor) -> None:
         """Replace `buf` with the mean over the workers present at this round."""
