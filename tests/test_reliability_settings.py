@@ -95,6 +95,22 @@ def test_a_later_flag_replaces_a_files_bad_value_and_names_the_flag_it_came_from
     assert line.startswith("--epochs: epochs must be positive"), line
 
 
+@pytest.mark.parametrize("key, value", [("lr", float("nan")), ("epochs", -1), ("ranks", 0),
+                                        ("minibatch", 10**30)])
+def test_resume_names_the_run_directorys_config_json_for_its_bad_value(capsys, tmp_path, key,
+                                                                       value):
+    run = tmp_path / "run"
+    run.mkdir()
+    config = to_dict(TrainConfig(out=str(run)))
+    config[key] = value
+    (run / "config.json").write_text(json.dumps(config))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir())
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"labavg: error: {run / 'config.json'}: ") and key in line, line
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir()) == before
+
+
 def test_too_many_inproc_ranks_are_named_as_ranks_not_as_the_models_size():
     from labavg.base.errors import UserError
     from labavg.training.config import check_model_size
@@ -284,3 +300,30 @@ def test_event_from_dict_refuses_what_is_not_an_event(line):
     from labavg.base.events import event_from_dict
 
     assert event_from_dict(json.loads(line)) is None
+
+
+@pytest.mark.slow  # two short trainings per backend
+@pytest.mark.parametrize("backend", ["inproc", "mpi"])
+def test_resume_goes_past_event_lines_of_the_wrong_shape(corpus, tmp_path, backend):
+    # labavg issue 44: `5`, `[1, 2]` or an object without `rank` in events.jsonl ended
+    # `--resume` in a traceback (inproc); on MPI both ranks crashed, then the launcher's report.
+    from labavg.jobs.launch import start_run
+    from labavg.jobs.run_json import SUMMARY
+    from support import stop_at_first_round
+    from test_train import small_config
+
+    out = tmp_path / "run"
+    cfg = small_config(corpus, out, backend=backend, epochs=2, checkpoint_every=1)
+    handle = start_run(cfg)
+    stop_at_first_round(handle)
+    for _ in handle.events(timeout=120):
+        pass
+    assert handle.result(120).stopped is True
+    with open(out / "events.jsonl", "ab") as f:
+        f.write("\n".join(WRONG_SHAPES).encode() + b"\n")
+    proc = subprocess.run([sys.executable, "-m", "labavg", "train", "--resume", str(out),
+                           "--no-progress"], capture_output=True, text=True, timeout=300,
+                          env=child_env(), cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["resumed"] is True and summary["stopped"] is False
