@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,58 @@ LOOPBACK_MPICH_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_T
 # control port's listener: hydra binds it to INADDR_ANY whatever the options (-iface,
 # -localhost, HYDRA_IFACE all measured; see docs/cluster.md, "Listening sockets").
 LOOPBACK_HYDRA_ARGS = ("-localhost", "127.0.0.1")
+
+
+def close_inherited_listeners() -> list[int]:
+    """Close the listening TCP sockets this process shares with its parent; their fds.
+
+    hydra binds its control port to INADDR_ANY and does not mark it close-on-exec, so its proxy
+    and every rank (an ipyparallel MPI engine too) hold the same 0.0.0.0 listener for the run's
+    length without using it: the proxy already holds its connection to mpiexec and a rank talks
+    PMI over PMI_FD. A rank's copy closed, the port stays open in mpiexec and its proxy only.
+    A socket the parent does not hold (this process's own, ZMQ's, libfabric's) is never
+    touched; nothing happens where /proc is missing.
+    """
+    parent = _socket_inodes(f"/proc/{os.getppid()}/fd")
+    closed = []
+    for fd, inode in _socket_fds("/proc/self/fd").items():
+        if inode in parent and _is_tcp_listener(fd):
+            os.close(fd)
+            closed.append(fd)
+    return closed
+
+
+def _socket_fds(folder: str) -> dict[int, str]:
+    """fd -> "socket:[inode]" for the sockets among the fds listed in `folder`."""
+    found = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"{folder}/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def _socket_inodes(folder: str) -> set[str]:
+    return set(_socket_fds(folder).values())
+
+
+def _is_tcp_listener(fd: int) -> bool:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it keeps `fd`
+            return (sock.family in (socket.AF_INET, socket.AF_INET6)
+                    and sock.type == socket.SOCK_STREAM
+                    and bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)))
+    except OSError:
+        return False
 
 
 def detect_launcher(env: Mapping[str, str] | None = None) -> str | None:
@@ -114,12 +167,10 @@ def local_mpiexec_args(mpiexec: Path, *, auto_cleanup: bool = True) -> list[str]
 def torchrun_command(n: int, argv: list[str]) -> list[str]:
     """The command that runs `python *argv` as `n` torch.distributed ranks on this machine.
 
-    The rendezvous listens on 127.0.0.1, on a port free when this is called.
+    torchrun's agent under labavg.comm.torch_launch, which keeps every store of the job (the
+    rendezvous's, the workers') on 127.0.0.1: torchrun alone binds its store to every
+    interface whatever --master-addr says.
     """
     if n < 1:
         raise UserError(f"number of ranks must be at least 1, got {n}")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), *argv]
+    return [sys.executable, "-m", "labavg.comm.torch_launch", "--nproc-per-node", str(n), *argv]

@@ -19,6 +19,7 @@ import torch
 from labavg.base.waiting import wait_until
 from labavg.comm.base import IDLE_POLL_SECONDS
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root
+from labavg.comm.launchers import close_inherited_listeners
 
 # The reduce algorithms' messages; collectives travel in a context of their own whatever the tag.
 _P2P_TAG = 17
@@ -45,6 +46,9 @@ class MpiCommunicator:
     """This process's rank in an MPI communicator (COMM_WORLD unless one is given)."""
 
     def __init__(self, comm: Any = None, *, cuda_aware: bool | None = None):
+        # Before MPI starts: the rank does not keep hydra's control port open on every
+        # interface (labavg.comm.launchers.close_inherited_listeners, docs/cluster.md).
+        close_inherited_listeners()
         from mpi4py import MPI
 
         self._mpi = MPI

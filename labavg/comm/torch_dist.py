@@ -8,6 +8,7 @@ same in-place division as the other backends (ReduceOp.AVG exists only for nccl)
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -18,6 +19,33 @@ from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_ro
 
 DEFAULT_TIMEOUT_S = 300.0
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_store(port: int = 0, *, host: str = "127.0.0.1",
+                   timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A c10d TCPStore server listening on loopback `host` only (`port` 0: a free one).
+
+    Given a host, TCPStore still listens on every interface ([::]); handed a socket already
+    bound (`master_listen_fd`), it listens where that socket does.
+    """
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+    return dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=sock.detach(),
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _job_store(rank: int, size: int, timeout_s: float):
+    """The store of a local job's ranks at MASTER_ADDR:MASTER_PORT (a loopback address):
+    rank 0 hosts it there, not on every interface as env:// would."""
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return loopback_store(port, host=host, timeout_s=timeout_s)
+    return dist.TCPStore(host, port, size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class TorchDistCommunicator:
@@ -39,15 +67,23 @@ class TorchDistCommunicator:
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if os.environ.get("MASTER_ADDR") in LOOPBACK_ADDRESSES:
+            local = os.environ.get("MASTER_ADDR") in LOOPBACK_ADDRESSES
+            if local:
                 # A local job: gloo would otherwise listen on the address the host name
                 # resolves to, reachable from the network (docs/cluster.md, listening sockets).
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(
-                backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
-            )
+            timeout = timedelta(seconds=timeout_s)
+            if local and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                # Not env://, whose rank 0 hosts the store on every interface. (torchrun's
+                # agent store, when its workers use it, is the agent's: labavg.comm.torch_launch.)
+                rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                store = dist.PrefixStore("default_pg", _job_store(rank, size, timeout_s))
+                dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                        timeout=timeout)
+            else:
+                dist.init_process_group(backend, init_method="env://", timeout=timeout)
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
