@@ -48,6 +48,9 @@ BAD_FLAGS = [
     (["--set", "epochs=true"], "--set epochs=true", "epochs"),
     (["--set", "averaging.average_every=-2"], "--set averaging.average_every=-2",
      "averaging.average_every"),
+    # a wait past the platform's time_t failed inside the collectives, mid-run
+    (["--set", "watchdog_seconds=1e308"], "--set watchdog_seconds=1e308", "watchdog_seconds"),
+    (["--set", "inject_fault='garbage'"], "--set inject_fault='garbage'", "inject_fault"),
 ]
 
 
@@ -249,6 +252,15 @@ def test_info_prints_strict_json_and_no_infinite_speedup(capsys, tmp_path, pairs
     assert main(["info", str(run)]) == 0
     table = capsys.readouterr().out
     assert not any(word in table for word in ("infx", "inf-", "-inf", "nanx", "nan-")), table
+
+
+def test_a_summary_with_a_count_no_float_holds_is_listed_without_a_traceback(capsys, tmp_path):
+    run = _finished_run(tmp_path / "run")
+    text = (run / "summary.json").read_text().replace('"ranks": 2', '"ranks": 1' + "0" * 400)
+    (run / "summary.json").write_text(text)
+    shown = _info_json(capsys, run)  # was OverflowError in the summary's type check
+    assert shown["speedup"] is None and shown["speedup_text"] is None
+    assert main(["info", str(run)]) == 0
 
 
 # --- family 12: lines of the wrong shape in a file labavg wrote ----------------------------

@@ -93,8 +93,8 @@ def _is(value: Any, kind: str) -> bool:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == NUMBER:
         return number
-    if kind == INT:
-        return number and float(value).is_integer()
+    if kind == INT:  # 5.0 is one; an int of 400 digits too, and no float holds it
+        return number and (isinstance(value, int) or value.is_integer())
     if kind == TEXT:
         return isinstance(value, str)
     if kind == FLAG:

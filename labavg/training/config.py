@@ -47,6 +47,9 @@ def _threads_limit() -> int:
 
 
 LIMIT = real(0, text="finite and >= 0 (0 turns the limit off)")
+# 30 days: a wait longer than the platform's time_t (watchdog_seconds = 1e308) fails inside the
+# collectives mid-run; a longer silence is no run's legitimate work.
+WATCHDOG_LIMIT_S = 30 * 24 * 3600
 DEVICE = Rule(lambda v: v in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", v) is not None,
               "cpu, cuda, cuda:N or auto")
 THREADS = Rule(lambda v: 1 <= v <= _threads_limit(),
@@ -97,7 +100,8 @@ class TrainConfig:
                                        "(labavg.base.faults)")
     watchdog_seconds: float = setting(
         120.0, "a rank silent this long ends the job (0: off; labavg.comm.watchdog)",
-        real(0, text="finite and >= 0 (0 turns the watchdog off)"))
+        real(0, WATCHDOG_LIMIT_S, text=f"in [0, {WATCHDOG_LIMIT_S}] seconds (0 turns the "
+             "watchdog off)"))
     decode_data: str | None = setting(
         None, "decode this at the end (a data dir, or a corpus with dev/ and test/); "
         "summary.json gains wer and per", NONEMPTY, flag="--decode-data")
@@ -293,7 +297,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise UserError(named(cfg, "pretrain = 'rbm' initialises sigmoid layers; set "
                                    "model.nonlinearity = 'sigmoid'"))
     if cfg.inject_fault is not None:
-        fault = parse_fault(cfg.inject_fault)
+        try:
+            fault = parse_fault(cfg.inject_fault)
+        except UserError as exc:
+            raise UserError(named(cfg, str(exc), "inject_fault")) from None
         if fault.kind == "kill" and cfg.backend == "inproc":
             raise UserError(named(cfg, "inject_fault 'kill' needs processes: use backend 'mpi' or 'torch'"))
         if fault.rank >= cfg.ranks:
