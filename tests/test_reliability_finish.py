@@ -204,8 +204,8 @@ def test_decode_into_a_read_only_run_directory_is_refused_at_once(corpus, refere
     assert time.monotonic() - began < 60  # before the decode's minutes, not after
 
 
-def _unwritable_commands(ro: Path, full: Path, corpus: Path, resumable: Path, sweep: Path
-                         ) -> dict[str, tuple[list[str], str]]:
+def _unwritable_commands(ro: Path, full: Path, corpus: Path, resumable: Path, sweep: Path,
+                         exp: Path) -> dict[str, tuple[list[str], str]]:
     """Each command that writes, pointed at a read-only or a full place: (argv, the path named)."""
     train = ["--data", str(corpus), "--no-progress", "--epochs", "1"]
     return {
@@ -214,8 +214,11 @@ def _unwritable_commands(ro: Path, full: Path, corpus: Path, resumable: Path, sw
         "train --resume (read-only)": (["train", "--resume", str(resumable), "--no-progress"],
                                        str(resumable)),
         "sweep --out": (["sweep", str(sweep), "--out", str(ro / "sweep")], str(ro / "sweep")),
-        "reproduce --out": (["reproduce", "--out", str(ro / "rep"), "--report-only",
-                             "--experiments", str(REPO / "experiments")], str(ro / "rep")),
+        "reproduce --out": (["reproduce", "--out", str(ro / "rep"), "--tiny", "--no-mpi",
+                             "--experiments", str(exp)], str(ro / "rep" / "experiments")),
+        "reproduce --report": (["reproduce", "--out", str(exp.parent / "runs"), "--report-only",
+                                "--report", str(ro / "R.md"), "--experiments", str(exp)],
+                               str(ro / "R.md")),
         "corpus synth": (["corpus", "synth", str(ro / "c"), "--hours", "0.01"], str(ro / "c")),
         "corpus synth (full disk)": (["corpus", "synth", str(full / "c"), "--hours", "0.01"],
                                      str(full / "c")),
@@ -226,27 +229,34 @@ def _unwritable_commands(ro: Path, full: Path, corpus: Path, resumable: Path, sw
     }
 
 
-@pytest.mark.slow  # nine commands, each a process
+UNWRITABLE = ["train --out (read-only)", "train --out (full disk)", "train --resume (read-only)",
+              "sweep --out", "reproduce --out", "reproduce --report", "corpus synth", "corpus synth (full disk)",
+              "corpus prepare", "decode (full disk)"]
+
+
+@pytest.mark.slow  # a process each
+@pytest.mark.parametrize("name", UNWRITABLE)
 def test_every_command_that_writes_refuses_an_unwritable_output_before_any_work(
-        corpus, reference, mounts, tmp_path):
+        corpus, reference, mounts, tmp_path, name):
     place = tmp_path / "place"
     unfinished = place / "unfinished"
     shutil.copytree(reference, unfinished)
-    for name in ("summary.json", "final.pt"):
-        (unfinished / name).unlink()
+    for leftover in ("summary.json", "final.pt"):
+        (unfinished / leftover).unlink()
     sweep = place / "s.toml"
     write_sweep(sweep, corpus, "ranks = [1]")
     ro = mounts.read_only(place)
     full = mounts.tmpfs("4m")
     shutil.copytree(reference, full / "run")
     _fill(full)
-    cases = _unwritable_commands(ro, full, corpus, ro / "unfinished", sweep)
-    for name, (argv, named) in cases.items():
-        began = time.monotonic()
-        line = _one_line(_cli(*argv))
-        assert repr(named) in line or named in line, (name, line)
-        assert ("read-only file system" in line) or ("no space left" in line), (name, line)
-        assert time.monotonic() - began < 60, name
+    exp = tmp_path / "experiments"  # a copy: a command not refused would write its results file
+    shutil.copytree(REPO / "experiments", exp)
+    argv, named = _unwritable_commands(ro, full, corpus, ro / "unfinished", sweep, exp)[name]
+    began = time.monotonic()
+    line = _one_line(_cli(*argv))
+    assert repr(named) in line, line
+    assert ("read-only file system" in line) or ("no space left" in line), line
+    assert time.monotonic() - began < 60
 
 
 # -- families 7 and 10: a refused command touches nothing ----------------------------------
@@ -281,6 +291,7 @@ def _refusals(reference: Path, tmp_path: Path) -> dict[str, tuple[Path, list[str
     cases = {
         "--out a finished run": (finished("f1"), ["--out"]),
         "--resume a finished run": (finished("f2"), ["--resume"]),
+        "--resume a finished run as an mpi job": (finished("f3"), ["--backend", "mpi", "--resume"]),
         "--resume with other settings": (unfinished("u1"), ["--set", "lr=0.5", "--resume"]),
         "--resume with other ranks": (unfinished("u2"), ["--ranks", "3", "--resume"]),
         "--out an unfinished run": (unfinished("u3"), ["--out"]),
@@ -313,16 +324,24 @@ def test_refused_runs_are_left_byte_identical(corpus, reference, tmp_path):
         assert tree(run) == before, name
 
 
-@pytest.mark.slow  # ten commands, each a process
+REFUSALS = ["--out a finished run", "--resume a finished run",
+            "--resume a finished run as an mpi job", "--resume with other settings",
+            "--resume with other ranks", "--out an unfinished run",
+            "latest.json names a missing step", "latest.json missing", "latest.json damaged",
+            "a rank's checkpoint missing", "final.pt a directory"]
+
+
+@pytest.mark.slow  # a process each
+@pytest.mark.parametrize("name", REFUSALS)
 def test_refused_commands_are_one_line_and_leave_the_run_byte_identical(
-        corpus, reference, tmp_path):
-    for name, (run, args) in _refusals(reference, tmp_path).items():
-        before = tree(run)
-        argv = ["train", *args, str(run), "--no-progress"]
-        if args[0] == "--out":
-            argv += ["--data", str(corpus)]
-        _one_line(_cli(*argv))
-        assert tree(run) == before, name
+        corpus, reference, tmp_path, name):
+    run, args = _refusals(reference, tmp_path)[name]
+    before = tree(run)
+    argv = ["train", *args, str(run), "--no-progress"]
+    if args[0] == "--out":
+        argv += ["--data", str(corpus)]
+    _one_line(_cli(*argv))
+    assert tree(run) == before
 
 
 def test_a_refused_resume_keeps_every_checkpoint_folder(reference, tmp_path):

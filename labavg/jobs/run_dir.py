@@ -3,10 +3,13 @@ and what a resume may change.
 
 RUN_DIR/config.json      the TrainConfig (written by rank 0 when the run starts)
 RUN_DIR/events.jsonl     every rank's events, one JSON object a line (labavg.base.events)
-RUN_DIR/summary.json     results, written by rank 0 at the end
+RUN_DIR/final.pt         the trained model (labavg.decode.model), written by rank 0 at the end
+RUN_DIR/summary.json     results, written by rank 0 after final.pt: the commit marker of a
+                         finished run (labavg.jobs.runs.finish_run); a decode adds to it later
 RUN_DIR/tensorboard/     TensorBoard event files, one folder per rank
 RUN_DIR/checkpoints/     see labavg.base.checkpoint
-RUN_DIR/.lock            held (flock) by the job writing the directory; names its holder
+RUN_DIR/.lock            held (flock) by the job writing the directory; names its holder once
+                         the job has passed its checks (accept_run_dir)
 RUN_DIR/heartbeat/       each rank's watchdog heartbeat while it runs (labavg.comm.watchdog)
 
 labavg.jobs.runs writes them (run_training); labavg.jobs.index reads them back.

@@ -232,8 +232,10 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     jobs = _jobs(exp, out, yesno)
     results = results if results is not None else exp.directory / RESULTS_FILE
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
-    # Before hours of training: every output the report and its figures go to.
-    require_writable(out, "--out", "the reproduction's directory")
+    # Before hours of training: its runs' directory, and every output the report and its
+    # figures go to.
+    if train:
+        require_writable(out, "--out", "the reproduction's directory")
     for path, key in ((report, "--report"), (figure, "--figure"), (results, "results file")):
         require_writable(path, key, "an output", file=True)
     if train:

@@ -11,6 +11,7 @@ from typing import Any
 
 import tomli_w
 
+from labavg.base.paths import require_writable
 from labavg.base.checkpoint import atomic_write_text
 
 # The repository's experiments/ (labavg is installed editable from its checkout).
@@ -88,6 +89,7 @@ def tiny_sweep(spec: dict[str, Any], corpora: list[dict[str, Any]],
 def tiny_experiments(source: Path, dest: Path) -> Path:
     """Write DEST/{paper,regime,explain}.toml: SOURCE's grids with seeds 0 and 1, on tiny corpora
     under DEST, with TINY_BASE over SOURCE's base; return DEST."""
+    require_writable(dest, "--out", "the tiny experiments' directory")
     dest.mkdir(parents=True, exist_ok=True)
     names = ("paper", "regime") + (("explain",) if (source / "explain.toml").is_file() else ())
     for name in names:
