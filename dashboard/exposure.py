@@ -124,6 +124,20 @@ LOGIN_WINDOW_S = 60.0
 _MAX_CLIENTS = 10_000  # addresses remembered at most: many clients cannot exhaust memory
 
 
+def client_key(address: str) -> str:
+    """Whom a failed login counts against: the IPv4 address, or the IPv6 /64 (one host
+    usually holds a whole /64 and could otherwise try from a new address every time)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+
+
 @dataclass
 class LoginThrottle:
     """Failed logins per client address in a sliding window (dashboard.gate's login page)."""

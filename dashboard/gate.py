@@ -21,7 +21,7 @@ from tornado.httputil import HTTPServerRequest
 from tornado.routing import Matcher, Rule
 from tornado.web import RequestHandler, decode_signed_value
 
-from dashboard.exposure import LoginThrottle, password_matches
+from dashboard.exposure import LoginThrottle, client_key, password_matches
 
 LOGIN = "/login"
 LOGOUT = "/logout"
@@ -47,21 +47,22 @@ class PasswordAuth(BasicAuthProvider):
 
 
 class LoginHandler(BasicLoginHandler):
-    """POST /login: the password compared in constant time; a client address with too many
-    recent failures is answered 429 with the wait, on the login page, whatever it sends."""
+    """POST /login: the password compared in constant time; a client address (an IPv6 /64)
+    with too many recent failures is answered 429 with the wait, on the login page, whatever
+    it sends."""
 
     password: str
     throttle: LoginThrottle
 
     def get(self) -> None:
-        wait = self.throttle.wait_s(self.request.remote_ip)
+        wait = self.throttle.wait_s(client_key(self.request.remote_ip))
         if wait:
             self._page(_wait_message(wait))
         else:
             super().get()
 
     def post(self) -> None:
-        client = self.request.remote_ip
+        client = client_key(self.request.remote_ip)
         wait = self.throttle.wait_s(client)
         if wait:
             return self._too_many(wait)

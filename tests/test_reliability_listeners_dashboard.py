@@ -11,7 +11,7 @@ import urllib.parse
 
 import pytest
 
-from dashboard.exposure import LoginThrottle, password_matches
+from dashboard.exposure import LoginThrottle, client_key, password_matches
 from tests.test_dashboard_serve import _start
 
 # -- constant time -----------------------------------------------------------------------------
@@ -88,6 +88,17 @@ def test_a_success_forgets_the_failures_and_many_addresses_are_bounded():
     for i in range(20_000):
         throttle.failed(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")
     assert len(throttle._failures) <= 10_000
+
+
+@pytest.mark.parametrize("one, other, same", [
+    ("2001:db8::1", "2001:db8::ffff:1234", True),  # one host's /64
+    ("2001:db8::1", "2001:db8:0:1::1", False),
+    ("::ffff:10.0.0.9", "10.0.0.9", True),  # an IPv4 client on a dual-stack socket
+    ("10.0.0.9", "10.0.0.10", False),
+    ("fe80::1%eth0", "fe80::2%eth1", True),
+])
+def test_failures_count_against_an_address_or_a_whole_ipv6_64(one, other, same):
+    assert (client_key(one) == client_key(other)) is same
 
 
 # -- a real server -----------------------------------------------------------------------------
