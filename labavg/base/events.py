@@ -177,23 +177,13 @@ def event_from_dict(values: Any) -> Event | None:
     know, an object that lacks one of its type's fields or has one of the wrong type (a
     reader then skips it as a torn line). Fields added since the event was written take their
     defaults; fields it does not know are left out."""
-    if not isinstance(values, Mapping):
+    found = _typed_fields(values)
+    if found is None:
         return None
-    cls = EVENT_TYPES.get(values.get("type")) if isinstance(values.get("type"), str) else None
-    if cls is None:
-        return None
-    hints = _hints(cls)
-    fields = {k: v for k, v in values.items() if k in hints}
-    if not all(_has_type(value, hints[key]) for key, value in fields.items()):
-        return None
-    if fields.get("rank", -1) < 0:
-        return None
+    cls, fields = found
     if isinstance(fields.get("fragment_bytes"), list):
         fields["fragment_bytes"] = tuple(fields["fragment_bytes"])  # JSON has no tuples
-    try:
-        return cls(**fields)
-    except TypeError:  # a field missing
-        return None
+    return cls(**fields)
 
 
 def well_formed(values: Any) -> bool:
@@ -204,30 +194,60 @@ def well_formed(values: Any) -> bool:
     if not isinstance(values, Mapping) or not isinstance(values.get("type"), str):
         return False
     if values["type"] in EVENT_TYPES:
-        return event_from_dict(values) is not None
+        return _typed_fields(values) is not None
     rank, step = values.get("rank"), values.get("step", 0)
-    return _has_type(rank, int) and rank >= 0 and _has_type(step, int)
+    return _is_int(rank) and rank >= 0 and _is_int(step)
+
+
+def _typed_fields(values: Any) -> tuple[type[Event], dict[str, Any]] | None:
+    """(event class, its fields) of an events.jsonl object of a known type whose every
+    field has its type and whose rank is >= 0; None for anything else."""
+    if not isinstance(values, Mapping):
+        return None
+    kind = values.get("type")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        return None
+    accepts, required = _field_types(cls)
+    fields = {}
+    for key, value in values.items():
+        allowed = accepts.get(key)
+        if allowed is None:
+            continue  # `type`, or a field of a newer labavg
+        if type(value) not in allowed and not (
+                allowed is _INTS and isinstance(value, list) and all(map(_is_int, value))):
+            return None
+        fields[key] = value
+    if not required <= fields.keys() or fields["rank"] < 0:
+        return None
+    return cls, fields
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+# The Python types a JSON value of a field's type may have (json gives exact types: a bool is
+# never an int here, an int is a float); _INTS: a list of ints (JSON has no tuples).
+_INTS: frozenset[type] = frozenset({tuple})
+_JSON_TYPES = {bool: {bool}, int: {int}, float: {int, float}, str: {str}, type(None): {type(None)}}
 
 
 @functools.cache
-def _hints(cls: type[Event]) -> dict[str, Any]:
-    """The type of each field of an event class."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in typing.get_type_hints(cls).items() if k in names}
+def _field_types(cls: type[Event]) -> tuple[dict[str, frozenset[type]], frozenset[str]]:
+    """For each field of an event class, the types a JSON value of it may have; and the
+    fields without a default."""
+    hints = typing.get_type_hints(cls)
+    accepts = {f.name: _accepts(hints[f.name]) for f in dataclasses.fields(cls)}
+    required = frozenset(f.name for f in dataclasses.fields(cls)
+                         if f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+    return accepts, required
 
 
-def _has_type(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has an event field's type (an int is a float; NaN is a float)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_has_type(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
+def _accepts(hint: Any) -> frozenset[type]:
     if typing.get_origin(hint) is tuple:
-        return isinstance(value, (list, tuple)) and all(_has_type(v, int) for v in value)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return _INTS
+    options = (typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType)
+               else (hint,))
+    return frozenset().union(*(_JSON_TYPES[option] for option in options))
