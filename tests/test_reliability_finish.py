@@ -275,6 +275,19 @@ def _unfinished_with_orphans(reference: Path, run: Path) -> Path:
     return run
 
 
+def _immutable_model(run: Path) -> None:
+    (run / "final.pt").write_bytes(b"old")
+    subprocess.run(["chattr", "+i", str(run / "final.pt")], check=True)
+
+
+@pytest.fixture
+def thawed(tmp_path):
+    """Clears the immutable flag _immutable_model set, so that tmp_path can be removed."""
+    yield
+    for path in tmp_path.rglob("final.pt"):
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+
+
 def _refusals(reference: Path, tmp_path: Path) -> dict[str, tuple[Path, list[str]]]:
     """Each refused command: (the run it refuses, after setting it up; `labavg train` args)."""
     def finished(name: str) -> Path:
@@ -304,6 +317,7 @@ def _refusals(reference: Path, tmp_path: Path) -> dict[str, tuple[Path, list[str
             checkpoint_dir(r).glob(f"{latest_step(r)[0]:09d}/rank1.pt")).unlink()), ["--resume"]),
         "final.pt a directory": (unfinished("u8", lambda r: (r / "final.pt").mkdir()),
                                  ["--resume"]),
+        "final.pt immutable": (unfinished("u9", _immutable_model), ["--resume"]),
     }
     return cases
 
@@ -316,7 +330,7 @@ def _refuse_in_process(cfg: TrainConfig, run: Path, args: list[str]) -> None:
                      progress=False)
 
 
-def test_refused_runs_are_left_byte_identical(corpus, reference, tmp_path):
+def test_refused_runs_are_left_byte_identical(corpus, reference, tmp_path, thawed):
     cfg = _config(corpus, reference)
     for name, (run, args) in _refusals(reference, tmp_path).items():
         before = tree(run)
@@ -328,13 +342,13 @@ REFUSALS = ["--out a finished run", "--resume a finished run",
             "--resume a finished run as an mpi job", "--resume with other settings",
             "--resume with other ranks", "--out an unfinished run",
             "latest.json names a missing step", "latest.json missing", "latest.json damaged",
-            "a rank's checkpoint missing", "final.pt a directory"]
+            "a rank's checkpoint missing", "final.pt a directory", "final.pt immutable"]
 
 
 @pytest.mark.slow  # a process each
 @pytest.mark.parametrize("name", REFUSALS)
 def test_refused_commands_are_one_line_and_leave_the_run_byte_identical(
-        corpus, reference, tmp_path, name):
+        corpus, reference, tmp_path, thawed, name):
     run, args = _refusals(reference, tmp_path)[name]
     before = tree(run)
     argv = ["train", *args, str(run), "--no-progress"]

@@ -293,6 +293,19 @@ def check_own_files(run_dir: Path) -> None:
         if name in FILE_NAMES and stat.S_ISDIR(mode):
             raise UserError(f"{path} is a directory where labavg writes a file: remove it (or "
                             f"choose another --out)")
+        if name in FILE_NAMES and stat.S_ISREG(mode) and _immutable(path):
+            raise UserError(f"{path} cannot be replaced: it is immutable (chattr +i); "
+                            f"`chattr -i {path}` (or choose another --out)")
+
+
+def _immutable(path: Path) -> bool:
+    """Whether `path` refuses to be written even by its owner (the immutable or append-only
+    flag): a run would find it only at its last write. Opened without truncating: unchanged."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return False
 
 
 def _describe(holder: str) -> str:
