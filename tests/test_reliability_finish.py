@@ -164,6 +164,33 @@ def test_a_run_whose_model_cannot_be_written_is_unfinished_and_resume_completes_
     assert load_summary(run).steps == load_summary(reference).steps
 
 
+@pytest.mark.slow  # two decodes
+def test_a_run_whose_decode_cannot_be_written_keeps_its_model_and_resume_decodes_it(
+        corpus, tmp_path, request):
+    run = tmp_path / "run"
+    blocker = run / f"decode_{corpus.name}.tmp-{os.getpid()}"  # where the decode builds
+    request.addfinalizer(lambda: subprocess.run(["chattr", "-i", str(blocker)], capture_output=True))
+
+    def at_the_end(event) -> None:
+        if isinstance(event, RunFinished) and event.rank == 0:
+            blocker.write_text("x")
+            subprocess.run(["chattr", "+i", str(blocker)], check=True)
+
+    cfg = replace(_config(corpus, run), decode_data=str(corpus))
+    with pytest.raises(UserError) as caught:
+        run_training(cfg, on_event=at_the_end, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"cannot write {run / 'decode_synth'}: ")
+    assert message.endswith(f"then `labavg train --resume {run}` decodes it"), message
+    model = (run / "final.pt").read_bytes()
+    assert load_summary(run).wer is None  # committed, its decode missing
+    subprocess.run(["chattr", "-i", str(blocker)], check=True)
+    blocker.unlink()
+    resumed = _cli("train", "--resume", str(run), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert load_summary(run).wer is not None and (run / "final.pt").read_bytes() == model
+
+
 def test_a_summary_without_its_model_is_an_unfinished_run_that_resume_completes(
         reference, tmp_path):
     run = tmp_path / "run"  # as an end cut short before issue 44 left it: summary, no model

@@ -31,6 +31,15 @@ def acwt_name(acwt: float) -> str:
 def write_decode_dir(out: Path, result: SetResult, acwt: float, per, summary: dict) -> None:
     """Kaldi-style decode directory, built beside `out` and renamed into place."""
     build = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        _write_beside(build, out, result, acwt, per, summary)
+    except OSError as exc:  # a full or read-only disk met while writing: nothing half-written
+        shutil.rmtree(build, ignore_errors=True)
+        raise UserError(f"cannot write {out}: {exc.strerror or exc}") from None
+
+
+def _write_beside(build: Path, out: Path, result: SetResult, acwt: float, per, summary: dict
+                  ) -> None:
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
     try:

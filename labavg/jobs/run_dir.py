@@ -77,9 +77,10 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
         if found is None:
             raise UserError(f"--resume: {run_dir} holds no checkpoint to resume from")
         summary = _summary_or_none(run_dir)
-        # Without its model a run has not finished (its end was cut short): the resume
-        # completes it from the last checkpoint.
-        if summary is not None and not summary.stopped and (run_dir / FINAL).is_file():
+        # Without its model a run has not finished (its end was cut short), nor while the
+        # decode it asked for is missing: the resume completes it from the last checkpoint.
+        if summary is not None and not summary.stopped and (run_dir / FINAL).is_file() \
+                and not decode_missing(summary):
             raise UserError(
                 f"--resume: {run_dir} has finished (step {summary.steps}, {SUMMARY}); "
                 f"nothing to resume: start a new run with another --out to train more")
@@ -93,6 +94,12 @@ def check_run_dir(run_dir: Path, resume: bool, cfg: TrainConfig | None = None) -
             f"run directory {run_dir} already holds a run; pass --resume to continue it or choose "
             f"another --out"
         )
+
+
+def decode_missing(summary: RunSummary) -> bool:
+    """A finished run asked to decode whose decode did not finish (stopped or failed)."""
+    return summary.config is not None and summary.config.decode_data is not None \
+        and summary.wer is None
 
 
 def _check_whole(run_dir: Path, step: int, size: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from labavg.base.errors import user_error_of
+from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.base.checkpoint import CannotWrite, atomic_write_text, remove_orphans
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
@@ -25,7 +25,7 @@ from labavg.base.events import (Event, MinibatchDone, RunFinished, RunStarted, S
                                  event_from_dict)
 from labavg.jobs.event_log import EventLog
 from labavg.jobs.index import EVENTS, EventTail
-from labavg.jobs.run_dir import accept_run_dir, check_run_dir, run_dir_lock
+from labavg.jobs.run_dir import accept_run_dir, check_run_dir, decode_missing, run_dir_lock
 from labavg.jobs.run_json import CONFIG, SUMMARY, RunSummary
 from labavg.jobs.summary import RunEnd, load_summary, make_summary
 
@@ -171,7 +171,12 @@ def finish_run(run_dir: Path, cfg: TrainConfig, source, summary: RunSummary) -> 
                           f"model from the run's last checkpoint (kept)") from None
     _write_summary(run_dir, summary)
     if cfg.decode_data is not None:
-        summary = replace(summary, **decode_fields(run_dir, cfg.decode_data))
+        try:
+            decoded = decode_fields(run_dir, cfg.decode_data)
+        except UserError as exc:
+            raise UserError(f"{one_line(exc)}; the model and summary.json are kept: fix that, "
+                            f"then `labavg train --resume {run_dir}` decodes it") from None
+        summary = replace(summary, **decoded)
         _write_summary(run_dir, summary)
     return summary
 
@@ -207,9 +212,7 @@ def _pairs_logged(run_dir: Path) -> list[tuple[float, float]]:
 
 def decode_pending(run_dir: Path) -> bool:
     """A finished run asked to decode whose decode did not finish (stopped while it ran)."""
-    summary = load_summary(run_dir)
-    return summary.config is not None and summary.config.decode_data is not None \
-        and summary.wer is None
+    return decode_missing(load_summary(run_dir))
 
 
 def finish_decode(cfg: TrainConfig, allow_pipes: bool = False) -> RunSummary:
