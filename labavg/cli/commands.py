@@ -107,10 +107,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = train_config(args)
         try:
-            summary = _wait_interruptibly(start_run(cfg, resume=bool(args.resume),
-                                                    allow_pipes=args.allow_pipes, hosts=args.hosts,
-                                                    progress=progress, launcher=args.launcher))
-        except JobFailed as exc:  # its ranks have said why (or, interrupted, that it was)
+            # SIGINT and SIGTERM end it through labavg.cli.signals, whatever ran it.
+            summary = start_run(cfg, resume=bool(args.resume), allow_pipes=args.allow_pipes,
+                                hosts=args.hosts, progress=progress,
+                                launcher=args.launcher).result()
+        except JobFailed as exc:  # its ranks have said why
             return exc.code
     if summary is not None:
         print(format_runs([(cfg.out, None, summary)]))
@@ -119,33 +120,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_interruptibly(handle):
-    """`handle.result()`; for a job of processes, SIGINT or SIGTERM to this process alone ends the
-    job as Ctrl-C to its process group does (the handle says so in one line) instead of being
-    ignored (a shell starts a background job with SIGINT ignored) or ending this process
-    without a word while its ranks are killed behind it."""
-    import signal
+def rerun_command(args: argparse.Namespace, argv: list[str]):
+    """For a long command, a function naming the command that goes on after it was
+    interrupted (labavg.cli.signals); None for a short one."""
+    from labavg.cli.signals import command_line, train_rerun
 
-    interrupt = getattr(handle, "interrupt", None)
-    if interrupt is None:  # threads of this process: Ctrl-C reaches them as before
-        return handle.result()
-    caught: list[int] = []
-
-    def on_signal(signum, frame):
-        caught.append(signum)
-        raise KeyboardInterrupt
-
-    before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return handle.result()
-    except KeyboardInterrupt:
-        for s in before:  # a second signal must not cut the job's ending short
-            signal.signal(s, signal.SIG_IGN)
-        interrupt(caught[0] if caught else signal.SIGINT)
-        return handle.result()  # raises JobFailed with the interrupted status
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h)
+    if args.func is cmd_train:
+        def rerun() -> str:
+            try:
+                out = args.resume or train_config(args).out
+            except UserError:
+                out = None
+            return train_rerun(argv, out, resumed=bool(args.resume))
+        return rerun
+    if args.func in (cmd_sweep, cmd_decode, cmd_reproduce, cmd_synth, cmd_prepare):
+        return lambda: command_line(argv)
+    return None
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -21,9 +21,16 @@ from labavg.jobs.exit_status import exit_status
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return exit_status(lambda: args.func(args))
+    from labavg.cli.commands import rerun_command
+    from labavg.cli.signals import answer_signals
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    rerun = rerun_command(args, argv)
+    if rerun is None:
+        return exit_status(lambda: args.func(args))
+    # A long command: every signal answered by one policy (labavg.cli.signals).
+    return exit_status(lambda: answer_signals(rerun, lambda: args.func(args)))
 
 
 if __name__ == "__main__":

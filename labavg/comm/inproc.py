@@ -21,6 +21,7 @@ import torch
 
 from labavg.comm.buffers import check_buffer, check_gather, check_peer, check_root
 from labavg.comm.inproc_group import CollectiveMismatch, GroupAborted, GroupCall, InProcGroup
+from labavg.comm.watchdog import watch_thread
 
 
 class RankFailed(RuntimeError):
@@ -242,7 +243,7 @@ def iterate_inproc(
     try:
         while finished < size:
             try:
-                item = items.get(timeout=grace if failures else None)
+                item = _get(items, grace if failures else None)
             except queue.Empty:
                 hung = True  # a hung rank never finishes: report the others' failure without it
                 break
@@ -276,11 +277,28 @@ def iterate_inproc(
                 thread.join(timeout=drain)
 
 
+def _get(items: queue.Queue, timeout: float | None) -> Any:
+    """`items.get(timeout=timeout)` in short waits: an exception raised in this thread from
+    another (labavg.jobs.launch.ThreadRun.interrupt) is taken between them, not after the
+    next item, which a rank deep in a CV pass may not send for minutes."""
+    from labavg.base.waiting import Deadline
+
+    deadline = Deadline(timeout)
+    while True:
+        left = deadline.left()
+        try:
+            return items.get(timeout=0.2 if left is None else min(0.2, left))
+        except queue.Empty:
+            if deadline.passed():
+                raise
+
+
 def _run_rank(rank: int, comm: InProcCommunicator, gen_fn: Callable[..., Iterator[Any]],
               args: tuple, stop: threading.Event, items: queue.Queue) -> None:
     """One rank's thread of `iterate_inproc`: its items into `items`, then its _Finished."""
     group = comm.group
     outcome = _Finished(rank, None)
+    watch_thread(_RankWatcher(group, rank))  # this thread is the rank: its progress is its own
     try:
         gen = gen_fn(comm, *args)
         try:
@@ -297,7 +315,21 @@ def _run_rank(rank: int, comm: InProcCommunicator, gen_fn: Callable[..., Iterato
         group.depart(rank)
     else:
         group.abort(f"rank {rank} raised {type(outcome.exc).__name__}: {outcome.exc}")
+    watch_thread(None)
     items.put(outcome)
+
+
+class _RankWatcher:
+    """What an in-process rank's progress and busy work tell: its group (labavg.comm.watchdog)."""
+
+    def __init__(self, group: InProcGroup, rank: int) -> None:
+        self.group, self.rank = group, rank
+
+    def progress(self) -> None:
+        self.group.note_progress(self.rank)
+
+    def busy(self, on: bool) -> None:
+        self.group.note_busy(self.rank, on)
 
 
 def _until(stop: threading.Event, gen: Iterator[Any]) -> Iterator[Any]:

@@ -146,6 +146,33 @@ class InProcGroup:
         # Groups made by `split`, with parent rank -> child rank: an abort or a departure
         # here reaches them, since their ranks may be waiting there instead.
         self._children: list[tuple[InProcGroup, dict[int, int]]] = []
+        # Per rank: when it last said it made progress (labavg.comm.watchdog.progress, or
+        # arriving at a collective) and how deep in busy() blocks it is. A rank the others
+        # wait for that is still moving is working, not hung (a long CV pass).
+        self._moved = [time.monotonic()] * size
+        self._busy = [0] * size
+
+    def note_progress(self, rank: int) -> None:
+        """Rank `rank` made progress in local work; GroupAborted if the group is broken, so
+        that a rank of an ended run stops at its next batch, not at the end of its pass."""
+        self._moved[rank] = time.monotonic()
+        for child, ranks in self._children:  # its node's group may be the one waiting for it
+            if rank in ranks:
+                child.note_progress(ranks[rank])
+        if self._broken is not None:
+            raise GroupAborted(self._broken)
+
+    def note_busy(self, rank: int, on: bool) -> None:
+        self._busy[rank] += 1 if on else -1
+        self._moved[rank] = time.monotonic()
+        for child, ranks in self._children:
+            if rank in ranks:
+                child.note_busy(ranks[rank], on)
+
+    def _silent(self, ranks: list[int]) -> list[int]:
+        """Those of `ranks` that have not made progress for `timeout` seconds, nor are busy."""
+        now = time.monotonic()
+        return [r for r in ranks if not self._busy[r] and now - self._moved[r] > self.timeout]
 
     @property
     def aborted(self) -> bool:
@@ -180,6 +207,7 @@ class InProcGroup:
             generation = self._generation
             self._calls[rank] = call
             self._arrived += 1
+            self._moved[rank] = time.monotonic()
             if self._arrived == self.size:
                 return self._complete(rank)
             since = time.monotonic()
@@ -189,10 +217,10 @@ class InProcGroup:
                     # times out at once while the other ranks are about to arrive.
                     arrived = self._arrived
                     self._cond.wait(timeout=min(self.timeout, 5.0))
+                    silent = self._silent([r for r, c in enumerate(self._calls) if c is None])
                     if (generation == self._generation and self._broken is None
-                            and self._arrived == arrived):
-                        missing = [r for r, c in enumerate(self._calls) if c is None]
-                        reason = (f"watchdog: rank(s) {missing} did not reach {call.op} within "
+                            and self._arrived == arrived and silent):
+                        reason = (f"watchdog: rank(s) {silent} did not reach {call.op} within "
                                   f"{time.monotonic() - since:.0f} s (watchdog_seconds = "
                                   f"{self.timeout:g}) while rank {rank} waited")
                         self._break(reason)
@@ -231,7 +259,7 @@ class InProcGroup:
                     self.abort(reason)
                     raise CollectiveMismatch(reason) from None
             waited = time.monotonic() - since
-            if self.timeout and waited > self.timeout:
+            if self.timeout and waited > self.timeout and self._silent([src]):
                 try:
                     # Confirm, as `rendezvous` does: a stopped and continued process sees its
                     # whole pause at once.

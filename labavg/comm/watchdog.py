@@ -6,6 +6,10 @@ Each rank of a process backend runs a `Watchdog` thread beside its trainer:
 
 - the trainer beats it at every event and every collective (`WatchedCommunicator` wraps the
   real communicator, so the trainer itself knows nothing of this);
+- long local work says that it is moving, whatever backend watches it: `progress()` at each
+  step of it (a minibatch, a CV batch), `busy()` around one long call that cannot (a checkpoint
+  written); both reach the watcher of the calling thread (this Watchdog, or an in-process
+  rank's group, labavg.comm.inproc), and do nothing where none watches;
 - a rank whose own main thread makes no progress for `limit` seconds outside a collective (a
   hung step, the `hang` fault) ends the job naming itself;
 - a rank that has waited `limit` seconds inside one collective looks at its peers' heartbeat
@@ -22,14 +26,18 @@ thread: labavg's MPI runs at MPI_THREAD_MULTIPLE.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 import torch
 
@@ -40,6 +48,57 @@ TICK_SECONDS = 1.0
 # moment to show that they are moving again.
 CONFIRM_SECONDS = 5.0
 EXIT_WATCHDOG = 3  # exit status of a job ended by the watchdog (2 is a user error)
+
+
+class ProgressWatcher(Protocol):
+    """What watches one thread's rank: told of its progress and of long work it is busy with."""
+
+    def progress(self) -> None: ...
+
+    def busy(self, on: bool) -> None: ...
+
+
+_watched = threading.local()  # .watcher: the ProgressWatcher of this thread's rank, if any
+
+
+def watch_thread(watcher: ProgressWatcher | None) -> None:
+    """Make `watcher` the one `progress()` and `busy()` reach from the calling thread (None:
+    no longer watched). A rank's trainer runs on one thread: a process's main thread, or an
+    in-process rank's own."""
+    _watched.watcher = watcher
+
+
+def progress() -> None:
+    """The calling rank made progress in long local work (a step, a CV batch). Where its
+    watcher is an in-process group that was aborted, this raises, so that an interrupted or
+    failed run's ranks stop at their next batch instead of at the end of the pass."""
+    watcher = getattr(_watched, "watcher", None)
+    if watcher is not None:
+        watcher.progress()
+
+
+def beating(items: Iterable[T]) -> Iterator[T]:
+    """`items`, with `progress()` before each: a pass over batches beats once a batch."""
+    for item in items:
+        progress()
+        yield item
+
+
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """The calling rank computes or writes for a while without a point to say `progress()`
+    (one checkpoint written): its own watchdog does not take that time for a hung step, and
+    its peers still judge it by its heartbeat, which goes on while its process lives. A
+    frozen or lost process, and a rank waiting in a collective, are judged as before."""
+    watcher = getattr(_watched, "watcher", None)
+    if watcher is None:
+        yield
+        return
+    watcher.busy(True)
+    try:
+        yield
+    finally:
+        watcher.busy(False)
 
 
 class Watchdog:
@@ -58,6 +117,7 @@ class Watchdog:
         self._collective: str | None = None
         self._collective_since = 0.0
         self._suspended = False  # the main thread is in the consumer's code, not the trainer's
+        self._busy = 0  # depth of busy() blocks the main thread is in
         self._count = 0
         self._peers: dict[int, tuple[Any, float]] = {}  # rank -> (last count seen, when it changed)
         self._silent: list[dict[str, Any]] = []  # heartbeats of the peers last found silent
@@ -67,9 +127,19 @@ class Watchdog:
     # -- called by the rank's main thread -----------------------------------------------------
 
     def start(self) -> "Watchdog":
+        """Start watching the calling thread (the rank's trainer runs on it)."""
         self._write_heartbeat()
         self._thread.start()
+        watch_thread(self)
         return self
+
+    def progress(self) -> None:
+        self.beat()
+
+    def busy(self, on: bool) -> None:
+        with self._lock:
+            self._busy += 1 if on else -1
+            self._beat = time.monotonic()  # the work's time is counted from its end
 
     def beat(self, step: int | None = None) -> None:
         """The main thread made progress (an event, a finished collective)."""
@@ -100,6 +170,8 @@ class Watchdog:
             self._armed = True
 
     def close(self) -> None:
+        if getattr(_watched, "watcher", None) is self:
+            watch_thread(None)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * self.tick)
@@ -132,7 +204,7 @@ class Watchdog:
         with self._lock:
             collective, since, beat, step, armed = (
                 self._collective, self._collective_since, self._beat, self._step,
-                self._armed and not self._suspended)
+                self._armed and not self._suspended and not self._busy)
         if collective is None:
             if armed and now - beat > self.limit:
                 return (f"rank {self.comm.rank} made no progress for {now - beat:.0f} s after "
@@ -201,7 +273,19 @@ class Watchdog:
     def _end(self, reason: str) -> None:
         print(f"labavg: error: watchdog: {reason}; ending the job", file=sys.stderr, flush=True)
         _kill_frozen(self._silent)
+        self._remove_heartbeats()  # the job ends here: no rank's close() will
         self.comm.abort(reason, EXIT_WATCHDOG, quiet=True)
+
+
+    def _remove_heartbeats(self) -> None:
+        if self.dir is None:
+            return
+        for rank in range(self.comm.size):
+            (self.dir / f"rank{rank}.json").unlink(missing_ok=True)
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass  # a peer wrote once more: its folder is judged fresh by the next job anyway
 
 
 def _kill_frozen(silent: list[dict[str, Any]]) -> None:

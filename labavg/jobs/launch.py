@@ -20,7 +20,9 @@ without starting and passes start_run what it built, not a validated copy.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import queue
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,32 @@ from labavg.jobs.run_json import RunSummary
 from labavg.training.config import TrainConfig, validate
 
 LAUNCHERS = ("threads", "job", "engines", "slurm")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached a long command (labavg.cli.signals): a KeyboardInterrupt, so
+    that every `finally` and every KeyboardInterrupt path (an MPI rank's abort) runs as for
+    Ctrl-C, which names its signal."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+def importing(frame) -> bool:
+    """Whether `frame` runs inside an import. An exception raised there leaves the module half
+    made in sys.modules (torch, half imported, crashes the next import of it with SIGSEGV), so
+    an interruption waits until the import is over."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def signal_of(exc: BaseException) -> int:
+    """The signal an interruption came from (Ctrl-C's SIGINT unless it says otherwise)."""
+    return getattr(exc, "signum", signal.SIGINT)
 
 
 class RunHandle(Protocol):
@@ -71,13 +99,44 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
     if launcher == "threads":
         if cwd is not None:
             raise UserError("cwd needs processes: a thread cannot have a working directory of its own")
-        return ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress)
+        return _live(ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress))
     if launcher in ("job", "slurm"):  # slurm: srun in this allocation instead of mpiexec
-        return JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts, progress=progress,
-                      cwd=cwd, slurm=launcher == "slurm")
+        return _live(JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts,
+                            progress=progress, cwd=cwd, slurm=launcher == "slurm"))
     if launcher == "engines":
-        return EnginesRun(cfg, resume=resume, cluster=cluster)
+        return _live(EnginesRun(cfg, resume=resume, cluster=cluster))
     raise UserError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+
+
+# Every run this process started and has not seen end: what an interrupted command ends before
+# it exits (`end_runs`). Held strongly: a caller's frame that an interruption unwound has
+# dropped its handle, and its run goes on all the same.
+_LIVE: list[RunHandle] = []
+_LIVE_LOCK = threading.Lock()
+
+
+def _live(handle):
+    with _LIVE_LOCK:
+        _LIVE[:] = [h for h in _LIVE if not h.done()] + [handle]
+    return handle
+
+
+def end_runs(signum: int, grace: float = 20.0) -> None:
+    """End every run this process started that is still going, and wait until each has: its
+    threads joined (ThreadRun) or its processes gone and its lock released (JobRun).
+
+    The one way an interrupted command stops its work, wherever it waited for it (a sweep's
+    point, a reproduction's sweep threads): a thread left running into interpreter shutdown
+    ends the process with "terminate called without an active exception" (SIGABRT), and a job
+    left behind would hold its run directory's lock."""
+    with _LIVE_LOCK:
+        handles = [h for h in _LIVE if not h.done()]
+    for handle in handles:
+        interrupt = getattr(handle, "interrupt", None)
+        if interrupt is not None:
+            interrupt(signum, grace)
+        else:  # engines: a stop at the next round, with a checkpoint
+            handle.stop()
 
 
 def _default_launcher(cfg: TrainConfig, hosts: str | None, cwd: str | Path | None) -> str:
@@ -100,6 +159,9 @@ class ThreadRun:
         self._summary: RunSummary | None = None
         self._error: BaseException | None = None
         self._drained = False  # events() has taken the run's last event
+        # Set when the run has ended: a Thread.join that a signal interrupts can leave the
+        # thread reported dead while it runs on (CPython gh-90882), so the ending is an Event.
+        self._ended = threading.Event()
         # In a copy of this context, so that what the run prints goes where its starter's
         # output goes (a sweep's log under `labavg reproduce`).
         self._thread = threading.Thread(
@@ -118,6 +180,7 @@ class ThreadRun:
             self._error = exc
         finally:
             self._events.put(_ENDED)
+            self._ended.set()
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         deadline = Deadline(timeout)
@@ -136,7 +199,9 @@ class ThreadRun:
                 yield event
 
     def result(self, timeout: float | None = None) -> RunSummary | None:
-        _join(self._thread, timeout, self.cfg.out)
+        # Short waits, so that Ctrl-C reaches the waiting (main) thread.
+        if not wait_until(self._ended.is_set, timeout, 0.2, pause=self._ended.wait):
+            raise TimeoutError(f"run {self.cfg.out} still going after {timeout} s")
         if self._error is not None:
             raise self._error
         return self._summary
@@ -145,16 +210,30 @@ class ThreadRun:
         self._stop.set()
 
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._ended.is_set()
+
+    def interrupt(self, signum: int = signal.SIGINT, grace: float = 20.0) -> None:
+        """End the run now, as Ctrl-C ends a run in the main thread: KeyboardInterrupt is
+        raised in its thread, once, where it next runs Python code (not inside an import), its
+        ranks are aborted and its generators closed there (labavg.jobs.runs), and this returns
+        once the thread has ended, or after `grace` seconds. The run resumes from its last
+        checkpoint. `signum` is for the interface JobRun shares; a thread has no signal."""
+        import sys
+
+        ident = self._thread.ident
+        deadline = Deadline(grace)
+        # Not inside an import (see `importing`): the thread's first one is torch's.
+        while not self._ended.is_set() and importing(sys._current_frames().get(ident)) \
+                and not deadline.passed():
+            self._ended.wait(0.05)
+        if ident is not None and not self._ended.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                       ctypes.py_object(KeyboardInterrupt))
+        if self._ended.wait(deadline.left()):
+            self._thread.join(grace)  # what is left of it: returning from its function
 
 
 _ENDED = object()  # queued after a ThreadRun's last event
-
-
-def _join(thread: threading.Thread, timeout: float | None, what: str) -> None:
-    # Short joins, so that Ctrl-C reaches the waiting (main) thread.
-    if not wait_until(lambda: not thread.is_alive(), timeout, 0.2, pause=thread.join):
-        raise TimeoutError(f"run {what} still going after {timeout} s")
 
 
 # -- ipyparallel engines ----------------------------------------------------------------------

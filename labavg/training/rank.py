@@ -29,6 +29,7 @@ from labavg.base.events import (
 )
 from labavg.base.faults import apply_fault, parse_fault
 from labavg.comm.base import Communicator
+from labavg.comm.watchdog import beating, busy, progress as made_progress
 from labavg.data.base import UtteranceSource
 from labavg.data.frames import FrameBatches, cv_batches, split_cv, steps_per_epoch
 from labavg.optim.base import Optimizer
@@ -239,6 +240,7 @@ def _train_minibatch(run: _RankRun, epoch: int, x: torch.Tensor, y: torch.Tensor
                      ) -> Iterator[Event]:
     """One local SGD step, with its events."""
     progress, rank = run.progress, run.comm.rank
+    made_progress()  # K slow steps between two rounds are not a hung rank
     run.lr = lr = _learning_rate(run, progress.step)
     t0 = time.perf_counter()
     result = train_step(run.model, run.optimizer, x.to(run.device), y.to(run.device), lr)
@@ -347,16 +349,18 @@ def _run_finished(run: _RankRun) -> RunFinished:
 
 def _save(run: _RankRun) -> CheckpointSaved:
     run.progress.wall_seconds = run.wall_before + time.perf_counter() - run.wall_start
-    return rank_state.save(run.run_dir, run.comm, run.progress, run.flat, run.optimizer,
-                           run.cfg, run.accepted_params, run.averager)
+    with busy():  # one file written, however slow the disk: not a hung rank
+        return rank_state.save(run.run_dir, run.comm, run.progress, run.flat, run.optimizer,
+                               run.cfg, run.accepted_params, run.averager)
 
 
 def _global_cv(run: _RankRun) -> tuple[float, float]:
     """CV loss and frame accuracy of the (identical) model over every rank's part of the CV set."""
     comm = run.comm
     mine = run.cv_keys[comm.rank :: comm.size]
-    totals = evaluate(run.model, cv_batches(run.source, mine, context=run.cfg.data.context),
-                      run.device)
+    # A beat per batch: a pass longer than watchdog_seconds is work, not a hang.
+    totals = evaluate(run.model, beating(cv_batches(run.source, mine,
+                                                    context=run.cfg.data.context)), run.device)
     comm.allreduce_mean(totals)  # float64 on CPU: sums are means times size
     loss_sum, correct, frames = (totals * comm.size).tolist()
     if frames == 0:

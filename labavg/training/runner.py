@@ -163,8 +163,8 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
         # The other ranks would wait for ever in their next collective: end the whole job,
         # with this rank's message printed once (MPI_Abort stops the others before they print).
         user = user_error_of(exc)
-        if isinstance(exc, KeyboardInterrupt):
-            comm.abort("interrupted", 130, quiet=True)
+        if isinstance(exc, KeyboardInterrupt):  # SIGTERM's too (labavg.cli.signals): 143
+            comm.abort("interrupted", 128 + getattr(exc, "signum", 2), quiet=True)
         elif user is not None:
             # One write, newline included: hydra relays ranks' output in the chunks written.
             print(f"labavg: error: rank {comm.rank}: {one_line(user)}\n", end="", file=sys.stderr,
