@@ -327,10 +327,15 @@ def _refusals(reference: Path, tmp_path: Path) -> dict[str, tuple[Path, list[str
             change(run)
         return run
 
+    def without_lock(run: Path) -> Path:  # as a copy of a run leaves it: no lock file made
+        (run / ".lock").unlink()
+        return run
+
     manifest = lambda run: checkpoint_dir(run) / "latest.json"  # noqa: E731
     cases = {
         "--out a finished run": (finished("f1"), ["--out"]),
         "--resume a finished run": (finished("f2"), ["--resume"]),
+        "--resume a finished run without .lock": (without_lock(finished("f4")), ["--resume"]),
         "--resume a finished run as an mpi job": (finished("f3"), ["--backend", "mpi", "--resume"]),
         "--resume with other settings": (unfinished("u1"), ["--set", "lr=0.5", "--resume"]),
         "--resume with other ranks": (unfinished("u2"), ["--ranks", "3", "--resume"]),
@@ -366,6 +371,7 @@ def test_refused_runs_are_left_byte_identical(corpus, reference, tmp_path, thawe
 
 
 REFUSALS = ["--out a finished run", "--resume a finished run",
+            "--resume a finished run without .lock",
             "--resume a finished run as an mpi job", "--resume with other settings",
             "--resume with other ranks", "--out an unfinished run",
             "latest.json names a missing step", "latest.json missing", "latest.json damaged",

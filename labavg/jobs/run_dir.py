@@ -231,10 +231,12 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         _TAKEN[resolved] = held
         try:
             yield
-        finally:
-            _TAKEN.pop(resolved, None)
+        except BaseException:
             if made and not held.named:  # refused: the lock file this call made goes again
                 (run_dir / LOCK).unlink(missing_ok=True)
+            raise
+        finally:
+            _TAKEN.pop(resolved, None)
     finally:
         if held is not None:
             os.close(held.fd)
