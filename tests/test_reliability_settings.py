@@ -126,6 +126,19 @@ def test_too_many_inproc_ranks_are_named_as_ranks_not_as_the_models_size():
         check_model_size(TrainConfig(), 440, 3000, memory=1 << 20)
 
 
+def test_the_dashboards_settings_go_through_the_same_validation(corpus, tmp_path):
+    from dashboard.settings import GENERAL, RunSettings
+
+    cases = {"watchdog_seconds": (1e308, "watchdog_seconds must be"),
+             "lr.x": (1, "learning rate is a value, not a table"),
+             "model": (5, "model: expected a table"), "seed": (-1, "seed must be"),
+             "averaging.bmuf.momentum": (float("nan"), "method momentum must be")}
+    for key, (value, said) in cases.items():
+        settings = RunSettings(runs_dir=str(tmp_path / "runs"), data=str(corpus), ranks=2,
+                               overrides={key: value})
+        assert said in settings.errors[GENERAL] and "command line" not in settings.errors[GENERAL]
+
+
 # --- family 6: the rank entry checks its launch file --------------------------------------
 
 def _good_launch(tmp_path: Path) -> dict:

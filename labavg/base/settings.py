@@ -199,27 +199,32 @@ def with_overrides(cfg: Any, overrides: dict[str, Any],
             node = node[part]
         if leaf not in node:
             raise UserError(_at(source, _unknown_setting(cfg, dotted)))
-        _check_type(type(cfg), dotted, value, source or "command line")
+        _check_type(type(cfg), dotted, value, source)
         node[leaf] = value
         given = {k: v for k, v in given.items() if k != dotted and not k.startswith(dotted + ".")}
         if source is not None:
             given.update({key: source for key in _leaves({dotted: value})})
-    out = from_dict(type(cfg), values, "command line")
+    out = from_dict(type(cfg), values, "settings")
     _remember(out, given)
     return out
 
 
-def _check_type(cls: type, dotted: str, value: Any, source: str) -> None:
-    """UserError naming `source` unless `value` has the type of key `dotted` of `cls` (a
-    table's keys, types and values for a table)."""
+def _check_type(cls: type, dotted: str, value: Any, source: str | None) -> None:
+    """UserError (naming `source`, when known) unless `value` has the type of key `dotted` of
+    `cls` (a table's keys, types and values for a table)."""
     *parents, leaf = dotted.split(".")
     for part in parents:
         cls = section_class(cls, part)
     hint = section_class(cls, leaf)
-    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-        from_dict(hint, value, source, dotted + ".")
-    else:
-        coerce(value, hint, source, dotted)
+    try:
+        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            from_dict(hint, value, source or "-", dotted + ".")
+        else:
+            coerce(value, hint, source or "-", dotted)
+    except UserError as exc:
+        if source is not None:
+            raise
+        raise UserError(str(exc).removeprefix("-: ")) from None
 
 
 def _at(source: str | None, message: str) -> str:
