@@ -38,6 +38,7 @@ BAD_FLAGS = [
     (["--lr", "inf"], "--lr", "lr"), (["--lr", "nan"], "--lr", "lr"),
     (["--epochs", "-1"], "--epochs", "epochs"), (["--ranks", "0"], "--ranks", "ranks"),
     (["--ranks", "100000000"], "--ranks", "ranks"),
+    (["--ranks", "100000000", "--backend", "mpi"], "--ranks", "ranks"),  # was 10^8 mpiexec ranks
     (["--set", "lr=nan"], "--set lr=nan", "lr"), (["--set", "lr=inf"], "--set lr=inf", "lr"),
     (["--set", "lr.x=1"], "--set lr.x=1", "lr.x"),
     (["--set", "ranks.y.z=1"], "--set ranks.y.z=1", "ranks.y.z"),
@@ -265,6 +266,16 @@ def test_info_prints_strict_json_and_no_infinite_speedup(capsys, tmp_path, pairs
     assert main(["info", str(run)]) == 0
     table = capsys.readouterr().out
     assert not any(word in table for word in ("infx", "inf-", "-inf", "nanx", "nan-")), table
+
+
+def test_info_json_of_a_run_in_progress_is_strict_json(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    config = to_dict(TrainConfig(out=str(run)))
+    config["lr"] = float("nan")  # a record of what ran is shown, in JSON any parser reads
+    (run / "config.json").write_text(json.dumps(config))
+    shown = _info_json(capsys, run)
+    assert shown["status"] == "running/incomplete" and shown["config"]["lr"] is None
 
 
 def test_a_summary_with_a_count_no_float_holds_is_listed_without_a_traceback(capsys, tmp_path):

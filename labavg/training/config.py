@@ -47,6 +47,8 @@ def _threads_limit() -> int:
 
 
 LIMIT = real(0, text="finite and >= 0 (0 turns the limit off)")
+# A count of ranks past any machine or cluster this lab runs on: one process or thread each.
+MAX_RANKS = 1 << 20
 # 30 days: a wait longer than the platform's time_t (watchdog_seconds = 1e308) fails inside the
 # collectives mid-run; a longer silence is no run's legitimate work.
 WATCHDOG_LIMIT_S = 30 * 24 * 3600
@@ -135,6 +137,9 @@ class TrainConfig:
 
     def problem(self, prefix: str = "") -> str | None:
         """What ties the run's settings and sections together; the message, or None."""
+        if self.ranks > MAX_RANKS:  # before any check that multiplies by it (memory)
+            return (f"ranks = {self.ranks} is more ranks than labavg starts (at most "
+                    f"{MAX_RANKS})")
         if self.averaging.hierarchy.across_nodes_every > 0:
             problem = self.hierarchy_problem(
                 self.ranks if self.backend == "inproc" or self.ranks > 1 else None)
