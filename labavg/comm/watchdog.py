@@ -128,6 +128,10 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         """Start watching the calling thread (the rank's trainer runs on it)."""
+        if self.dir is not None and self.dir.parent.is_dir():
+            # Never creates the run directory itself: that is its lock holder's, which
+            # removes it again if the job fails to start.
+            self.dir.mkdir(exist_ok=True)
         self._write_heartbeat()
         self._thread.start()
         watch_thread(self)
@@ -257,11 +261,8 @@ class Watchdog:
         path = self.dir / f"rank{self.comm.rank}.json"
         tmp = path.with_name(f".{path.name}.tmp")
         try:
-            # Never creates the run directory itself: that is its lock holder's, which removes
-            # it again if the job fails to start.
-            if not self.dir.parent.is_dir():
-                return
-            self.dir.mkdir(exist_ok=True)
+            # Only into the folder start() made: once a rank ending the job has removed it,
+            # the others' last beats do not make it again.
             # Never through a link planted in the run directory (O_NOFOLLOW).
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "w") as f:

@@ -358,9 +358,12 @@ def _global_cv(run: _RankRun) -> tuple[float, float]:
     """CV loss and frame accuracy of the (identical) model over every rank's part of the CV set."""
     comm = run.comm
     mine = run.cv_keys[comm.rank :: comm.size]
-    # A beat per batch: a pass longer than watchdog_seconds is work, not a hang.
-    totals = evaluate(run.model, beating(cv_batches(run.source, mine,
-                                                    context=run.cfg.data.context)), run.device)
+    # Work, not a hang, however long (one batch is 4096 frames, on a big model many seconds):
+    # busy for this rank's watchdog, a beat per batch for its in-process group.
+    with busy():
+        totals = evaluate(run.model, beating(cv_batches(run.source, mine,
+                                                        context=run.cfg.data.context)),
+                          run.device)
     comm.allreduce_mean(totals)  # float64 on CPU: sums are means times size
     loss_sum, correct, frames = (totals * comm.size).tolist()
     if frames == 0:
