@@ -173,13 +173,17 @@ class Watchdog:
             self._beat = time.monotonic()
             self._armed = True
 
-    def close(self) -> None:
+    def close(self, job_ends: bool = False) -> None:
+        """Stop watching; `job_ends`: this rank is about to end the whole job (an abort), so
+        no other rank will remove its own heartbeat: this one removes them all."""
         if getattr(_watched, "watcher", None) is self:
             watch_thread(None)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5 * self.tick)
-        if self.dir is not None:
+        if job_ends:
+            self._remove_heartbeats()
+        elif self.dir is not None:
             (self.dir / f"rank{self.comm.rank}.json").unlink(missing_ok=True)
             try:
                 self.dir.rmdir()  # the last rank out removes the folder

@@ -194,13 +194,17 @@ class JobRun:
               f"{_job_kind(self.cfg)} job has ended; `labavg train --resume {self.cfg.out}` "
               f"continues it from its last checkpoint", file=sys.stderr, flush=True)
 
-    def interrupt(self, signum: int, grace: float = 20.0) -> None:
+    def interrupt(self, signum: int, grace: float = 20.0, *, settle: float = 0.0) -> None:
         """End the job as Ctrl-C to its process group does, when this process alone got the
         signal: mpiexec/torchrun are told to end their ranks (SIGINT, then SIGKILL after
-        `grace` seconds), and this returns once they have and the lock is released."""
+        `grace` seconds), and this returns once they have and the lock is released. With
+        `settle`, the job is given that long to end by itself first (the signal may have
+        reached its launcher too)."""
         import signal
 
         self._interrupted = signum
+        if settle:
+            self._ended.wait(settle)
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGINT)
         if not self._ended.wait(grace):

@@ -121,6 +121,9 @@ def _live(handle):
     return handle
 
 
+JOB_SETTLE_SECONDS = 3.0
+
+
 def end_runs(signum: int, grace: float = 20.0) -> None:
     """End every run this process started that is still going, and wait until each has: its
     threads joined (ThreadRun) or its processes gone and its lock released (JobRun).
@@ -132,6 +135,12 @@ def end_runs(signum: int, grace: float = 20.0) -> None:
     with _LIVE_LOCK:
         handles = [h for h in _LIVE if not h.done()]
     for handle in handles:
+        if isinstance(handle, JobRun):
+            # A Ctrl-C to the process group reached the job's launcher too: a second signal
+            # while torchrun shuts its workers down breaks its logging ("--- Logging error
+            # ---"). Only a job still going after a moment had the signal sent to us alone.
+            handle.interrupt(signum, grace, settle=JOB_SETTLE_SECONDS)
+            continue
         interrupt = getattr(handle, "interrupt", None)
         if interrupt is not None:
             interrupt(signum, grace)

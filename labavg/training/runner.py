@@ -160,6 +160,8 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
     except BaseException as exc:
         if comm.size == 1 or not started:
             raise
+        if watchdog is not None:  # the abort below ends every rank before its own close()
+            watchdog.close(job_ends=True)
         # The other ranks would wait for ever in their next collective: end the whole job,
         # with this rank's message printed once (MPI_Abort stops the others before they print).
         user = user_error_of(exc)
