@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -38,9 +39,9 @@ class ElasticJob:
     """The workers of one elastic job, and what happens to them."""
 
     def __init__(self, nproc: int, argv: list[str], lighthouse: str, *, min_workers: int,
-                 state_file: Path | None):
+                 state_file: Path | None, join_socket: Path | None = None):
         self.nproc, self.argv, self.lighthouse = nproc, argv, lighthouse
-        self.min_workers, self.state_file = min_workers, state_file
+        self.min_workers, self.state_file, self.join_socket = min_workers, state_file, join_socket
         self.running: dict[int, subprocess.Popen] = {}
         self.ended: dict[int, int] = {}  # launch rank -> exit status of its last worker
         self.finished = False  # a worker ended with 0: the job's training is done
@@ -123,7 +124,8 @@ class ElasticJob:
             return
         state = {"lighthouse": self.lighthouse, "launcher": os.getpid(),
                  "workers": {str(r): p.pid for r, p in sorted(self.running.items())},
-                 "size": self.nproc}
+                 "size": self.nproc,
+                 "join_socket": None if self.join_socket is None else str(self.join_socket)}
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         tmp.write_text(json.dumps(state) + "\n", encoding="utf-8")
         os.replace(tmp, self.state_file)
@@ -184,19 +186,27 @@ def main(argv: list[str] | None = None) -> int:
     worker_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     from labavg.comm.elastic import Lighthouse
 
+    private = None
+    if args.join_socket is None:
+        # A Unix socket's path must be short (108 bytes), so not under a deep run directory;
+        # mkdtemp's folder is this user's alone (mode 0700).
+        private = Path(tempfile.mkdtemp(prefix="labavg-join-"))
+        args.join_socket = private / "join.sock"
+
     lighthouse = Lighthouse(min_workers=args.min_workers, heartbeat_ms=args.heartbeat_ms,
                             join_timeout_ms=args.join_timeout_ms)
     job = ElasticJob(args.nproc, worker_argv, lighthouse.address, min_workers=args.min_workers,
-                     state_file=args.state_file)
+                     state_file=args.state_file, join_socket=args.join_socket)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda s, _f: job.inbox.put(("signal", s)))
-    server = _serve_joins(args.join_socket, job.inbox) if args.join_socket else None
+    server = _serve_joins(args.join_socket, job.inbox)
     try:
         return job.run()
     finally:
-        if server is not None:
-            server.close()
-            args.join_socket.unlink(missing_ok=True)
+        server.close()
+        args.join_socket.unlink(missing_ok=True)
+        if private is not None:
+            private.rmdir()
         if args.state_file is not None:
             args.state_file.unlink(missing_ok=True)
         lighthouse.close()

@@ -174,3 +174,14 @@ def torchrun_command(n: int, argv: list[str]) -> list[str]:
     if n < 1:
         raise UserError(f"number of ranks must be at least 1, got {n}")
     return [sys.executable, "-m", "labavg.comm.torch_launch", "--nproc-per-node", str(n), *argv]
+
+
+def elastic_command(n: int, argv: list[str], *, min_workers: int, heartbeat_ms: int,
+                    join_timeout_ms: int, state_file: str) -> list[str]:
+    """The command that runs `python *argv` as `n` elastic workers (labavg.comm.elastic_launch):
+    one lost goes unreplaced and the others go on."""
+    if n < 1:
+        raise UserError(f"number of ranks must be at least 1, got {n}")
+    return [sys.executable, "-m", "labavg.comm.elastic_launch", "--nproc", str(n),
+            "--min-workers", str(min_workers), "--heartbeat-ms", str(heartbeat_ms),
+            "--join-timeout-ms", str(join_timeout_ms), "--state-file", state_file, "--", *argv]

@@ -1,5 +1,32 @@
-"""The choices of the comm layer a run's settings name (torch-free, for the settings schema)."""
+"""The choices of the comm layer a run's settings name, and its [elastic] section (torch-free,
+for the settings schema)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labavg.base.schema import POSITIVE, integer, real, setting
 
 BACKENDS = ("inproc", "mpi", "torch")
 # How the ranks compute the mean of their parameters (labavg.comm.reduce, docs/averaging.md).
 REDUCE = ("allreduce", "butterfly", "ring")
+# What the other workers do when one is lost: end the job (then `labavg train --resume`), or go
+# on averaging among those present (labavg.comm.elastic, backend torch only).
+ON_RANK_LOSS = ("stop", "continue")
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """[elastic]: the quorum of a run with on_rank_loss = "continue" (labavg.comm.elastic)."""
+
+    min_workers: int = setting(1, "fewest workers that go on averaging; below it the last "
+                               "ones end after quorum_timeout_s (1: the last survivor trains "
+                               "alone)", POSITIVE)
+    heartbeat_ms: int = setting(1000, "silence after which the lighthouse drops a worker",
+                                integer(100, 600_000))
+    join_timeout_ms: int = setting(2000, "how long a quorum waits for a started worker that has "
+                                   "not asked to join yet", integer(0, 600_000))
+    round_timeout_s: float = setting(30.0, "a round's collective and its vote; a hung worker "
+                                     "is dropped after it", real(0.1, 86_400.0))
+    quorum_timeout_s: float = setting(60.0, "how long a round waits for min_workers",
+                                      real(0.1, 86_400.0))

@@ -16,12 +16,17 @@ import os
 import torch
 
 from labavg.comm.devices import select_device
-from labavg.comm.settings import BACKENDS
+from labavg.comm.settings import BACKENDS, ElasticConfig
 from labavg.base.errors import UserError
 
 
-def open_communicator(backend: str, *, size: int = 1, device: str | torch.device = "cpu"):
+def open_communicator(backend: str, *, size: int = 1, device: str | torch.device = "cpu",
+                      elastic: ElasticConfig | None = None):
     """Open this process's communicator for `backend` ("mpi" or "torch").
+
+    With `elastic` (a run with on_rank_loss = "continue", started by
+    labavg.comm.elastic_launch) the torch backend's worker is a torchft replica group under the
+    launcher's lighthouse (labavg.comm.elastic.ElasticCommunicator).
 
     "mpi" and "torch" take the world (rank, size) from the launcher's environment; `size` > 1
     is the number of ranks the user asked for and must match it (1 means "whatever was
@@ -38,6 +43,8 @@ def open_communicator(backend: str, *, size: int = 1, device: str | torch.device
             "the inproc backend runs its ranks as threads of this process: "
             "call labavg.comm.inproc.run_inproc or iterate_inproc instead of open_communicator"
         )
+    if elastic is not None:
+        return _open_elastic(size, device, elastic)
     if backend == "mpi":
         from labavg.comm.mpi import MpiCommunicator
 
@@ -53,3 +60,20 @@ def open_communicator(backend: str, *, size: int = 1, device: str | torch.device
             f"{size} ranks were requested but the {backend} launcher started {comm.size}"
         )
     return comm
+
+
+def _open_elastic(size: int, device: str | torch.device, cfg: ElasticConfig):
+    from labavg.comm.elastic import ElasticCommunicator
+    from labavg.comm.elastic_launch import LIGHTHOUSE_ENV
+
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+    if lighthouse is None:
+        raise UserError('on_rank_loss = "continue" runs under labavg\'s elastic launcher '
+                        '(labavg train --backend torch starts it); torchrun cannot lose a worker')
+    rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size > 1 and launched != size:
+        raise UserError(f"{size} ranks were requested but the elastic launcher started {launched}")
+    return ElasticCommunicator(
+        rank, launched, lighthouse, device=select_device(device, int(os.environ.get("LOCAL_RANK", "0"))),
+        min_workers=cfg.min_workers, timeout_s=cfg.round_timeout_s,
+        quorum_timeout_s=cfg.quorum_timeout_s)

@@ -43,6 +43,7 @@ LAUNCH_FILE = ".launch.json"
 LAUNCH_FIELDS = {"config": OBJECT, "resume": FLAG, "stop_file": TEXT}  # what JobRun writes
 RANK_MODULE = "labavg.jobs.rank_main"  # what a job's ranks run (`python -m`)
 STOP_FILE = ".stop"
+ELASTIC_STATE = ".elastic.json"  # an elastic job's lighthouse, workers and join socket, while it runs
 
 
 def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
@@ -89,6 +90,13 @@ def job_command(cfg: TrainConfig, argv: list[str], *, hosts: str | None = None,
     if cfg.backend == "torch":
         if hosts:
             raise UserError("--hosts is for the mpi backend; start torchrun on every node instead")
+        if cfg.on_rank_loss == "continue":
+            from labavg.comm.launchers import elastic_command
+
+            e = cfg.elastic
+            return elastic_command(cfg.ranks, argv, min_workers=e.min_workers,
+                                   heartbeat_ms=e.heartbeat_ms, join_timeout_ms=e.join_timeout_ms,
+                                   state_file=str((Path(cfg.out) / ELASTIC_STATE).resolve()))
         return torchrun_command(cfg.ranks, argv)
     return [sys.executable, *argv]
 

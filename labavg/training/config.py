@@ -27,7 +27,7 @@ from labavg.base.schema import (FINITE_POSITIVE, NONEMPTY, POSITIVE, SEED, Flag,
                                 field_of, flags, integer, one_of, real, setting, type_of)
 from labavg.base.settings import (check_value, first_named_problem, from_dict, load_toml, named,
                                   with_overrides)
-from labavg.comm.settings import BACKENDS
+from labavg.comm.settings import BACKENDS, ON_RANK_LOSS, ElasticConfig
 from labavg.data.settings import DataConfig
 from labavg.optim.settings import MAX_CHANGE_DEFAULTS, OPTIMIZERS, NGConfig
 from labavg.training.memory import (BYTES_PER_PARAMETER, MEMORY_FRACTION, MIN_FEAT_DIM,
@@ -114,6 +114,11 @@ class TrainConfig:
     newbob: NewbobConfig = setting(help="the Newbob schedule", factory=NewbobConfig)
     averaging: AveragingConfig = setting(help="how the workers average (the averager's plan)",
                                          factory=AveragingConfig)
+    on_rank_loss: str = setting("stop", "when a worker is lost: stop the job (then --resume), "
+                                "or continue averaging among those present (backend torch, "
+                                "through torchft)", one_of(ON_RANK_LOSS))
+    elastic: ElasticConfig = setting(help="the quorum of on_rank_loss = \"continue\"",
+                                     factory=ElasticConfig)
 
     # Keys of an earlier labavg that are now in [averaging]; a file with one is refused with
     # where each went.
@@ -145,6 +150,10 @@ class TrainConfig:
                 self.ranks if self.backend == "inproc" or self.ranks > 1 else None)
             if problem is not None:
                 return problem
+        if self.on_rank_loss == "continue":
+            problem = self.elastic_problem()
+            if problem is not None:
+                return problem
         tensors = 2 * (self.model.hidden_layers + 1)  # a weight and a bias per affine layer
         fragments = self.averaging.streaming_fragments
         if self.averaging.overlap == "streaming" and fragments > tensors:
@@ -155,6 +164,21 @@ class TrainConfig:
             return (f"data.buffer_frames ({self.data.buffer_frames}) must be at least the "
                     f"minibatch ({self.minibatch})")
         return None
+
+    def elastic_problem(self) -> str | None:
+        """What on_rank_loss = "continue" does not combine with (labavg.comm.elastic)."""
+        why = None
+        if self.backend != "torch":
+            why = f"backend = {self.backend!r}: elastic runs are torch processes under torchft"
+        elif self.averaging.hierarchy.across_nodes_every > 0:
+            why = "averaging.hierarchy: a node group has no elastic form"
+        elif self.averaging.reduce != "allreduce":
+            why = (f"averaging.reduce = {self.averaging.reduce!r}: its point-to-point messages "
+                   f"have no elastic form")
+        elif self.elastic.min_workers > self.ranks:
+            why = (f"elastic.min_workers = {self.elastic.min_workers} is more than the "
+                   f"{self.ranks} ranks")
+        return None if why is None else f"on_rank_loss = \"continue\" cannot run with {why}"
 
     def hierarchy_problem(self, size: int | None) -> str | None:
         """What is wrong with [averaging.hierarchy] on `size` ranks (None: not known yet)."""
