@@ -94,6 +94,8 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
     `allow_pipes` lets data files run commands; only the command line's --allow-pipes sets it.
     """
     cfg = validate(cfg)
+    if _ending:  # an interrupted command ends its runs (end_runs): none starts after that
+        raise Interrupted(_ending[0])
     if launcher is None:
         launcher = "engines" if cluster is not None else _default_launcher(cfg, hosts, cwd)
     if launcher == "threads":
@@ -113,11 +115,19 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
 # dropped its handle, and its run goes on all the same.
 _LIVE: list[RunHandle] = []
 _LIVE_LOCK = threading.Lock()
+# The signal end_runs was called for, once it has been: the process is ending, and a thread
+# about to start its next run (a sweep's next point) is refused instead.
+_ending: list[int] = []
 
 
 def _live(handle):
     with _LIVE_LOCK:
-        _LIVE[:] = [h for h in _LIVE if not h.done()] + [handle]
+        ending = list(_ending)
+        if not ending:
+            _LIVE[:] = [h for h in _LIVE if not h.done()] + [handle]
+    if ending:  # started while end_runs ended the others: ended too
+        getattr(handle, "interrupt", lambda signum: handle.stop())(ending[0])
+        raise Interrupted(ending[0])
     return handle
 
 
@@ -133,6 +143,7 @@ def end_runs(signum: int, grace: float = 20.0) -> None:
     ends the process with "terminate called without an active exception" (SIGABRT), and a job
     left behind would hold its run directory's lock."""
     with _LIVE_LOCK:
+        _ending[:] = [signum]
         handles = [h for h in _LIVE if not h.done()]
     for handle in handles:
         if isinstance(handle, JobRun):

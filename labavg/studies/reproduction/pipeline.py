@@ -53,7 +53,7 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
               for name, file, out, cwd in jobs]
     ended: queue.SimpleQueue = queue.SimpleQueue()  # (name, why it failed or None)
     pending, running, alone, failed, logs = list(sweeps), 0, False, [], {}
-    with _logs_routed():
+    with _logs_routed(), _sweeps_ended_first(ended, lambda: running):
         while pending or running:
             # A sweep in a recipe directory runs alone: finishing a decode that was cut short,
             # it changes this process's working directory (labavg.studies.sweep), which the
@@ -65,8 +65,8 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
                 out.mkdir(parents=True, exist_ok=True)
                 log = logs[name] = out.parent / f"{name}.log"
                 print(f"labavg reproduce: sweep {name} ({file}) -> {out} (log {log})", flush=True)
-                # Daemon threads: Ctrl-C ends this process at once, as it ended the sweeps' own;
-                # their runs resume from their checkpoints.
+                # Daemon threads; an interruption ends their runs and waits for them
+                # (_sweeps_ended_first); their runs resume from their checkpoints.
                 threading.Thread(target=_one_sweep, args=(name, sweep, out, cwd, known, log, ended),
                                  daemon=True, name=f"labavg-sweep-{name}").start()
                 running += 1
@@ -77,6 +77,25 @@ def run_sweeps(jobs: list[Job], parallel: int, results: Path | None = None) -> N
                 failed.append(f"{name} ({why}; see {logs[name]})")
     if failed:
         raise UserError(f"sweeps failed: {', '.join(failed)}")
+
+
+@contextlib.contextmanager
+def _sweeps_ended_first(ended: queue.SimpleQueue, running) -> Iterator[None]:
+    """On an interruption (SIGINT, SIGTERM: labavg.cli.signals), end the sweeps' runs and wait
+    for the sweeps' threads to return before going on: one still writing its log or its
+    results table when this process exits would leave them half-written."""
+    from labavg.jobs.launch import end_runs, signal_of
+
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        end_runs(signal_of(exc))  # no run starts after this: the sweeps' threads return
+        for _ in range(running()):
+            try:
+                ended.get(timeout=60)
+            except queue.Empty:
+                break
+        raise
 
 
 # The log of the sweep whose thread (or whose run's threads, which start in a copy of their
@@ -95,6 +114,8 @@ def _one_sweep(name: str, sweep: Sweep, out: Path, cwd: Path | None,
             rows = run_sweep(sweep, out, cwd=cwd, recorded=recorded)
             print((out / "results.md").read_text())
             print(f"{len(rows)} runs in {out}/runs; tables in {out}/results.csv and results.md")
+        except KeyboardInterrupt:  # its runs were ended (_sweeps_ended_first): nothing to say
+            why = "interrupted"
         except Exception as exc:  # noqa: BLE001 - named in the one error of all the sweeps
             if user_error_of(exc) is None:
                 traceback.print_exc(file=log)
