@@ -112,18 +112,34 @@ def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) 
     return path
 
 
-def commit_checkpoint(run_dir: Path, step: int, size: int) -> Path:
-    """Point latest.json at `step` (call once all ranks saved) and drop older checkpoints."""
+def commit_checkpoint(run_dir: Path, step: int, size: int,
+                      ranks: list[int] | None = None) -> Path:
+    """Point latest.json at `step` (call once all ranks saved) and drop older checkpoints.
+
+    `ranks`: the launch ranks that saved, where an elastic run has lost some (the manifest
+    then names them; the first one's parameters are the run's model)."""
     root = checkpoint_dir(run_dir)
     step_dir = root / f"{step:09d}"
-    missing = [r for r in range(size) if not (step_dir / f"rank{r}.pt").is_file()]
+    missing = [r for r in (range(size) if ranks is None else ranks)
+               if not (step_dir / f"rank{r}.pt").is_file()]
     if missing:
         raise RuntimeError(f"checkpoint {step_dir} lacks ranks {missing}")
-    atomic_write_text(root / MANIFEST, json.dumps({"step": step, "size": size}) + "\n")
+    manifest = {"step": step, "size": size, **({} if ranks is None else {"ranks": list(ranks)})}
+    atomic_write_text(root / MANIFEST, json.dumps(manifest) + "\n")
     for old in root.iterdir():
         if old.is_dir() and old.name != step_dir.name and old.name.isdigit():
             shutil.rmtree(old, ignore_errors=True)
     return step_dir
+
+
+def model_rank(run_dir: Path) -> int:
+    """The rank whose file of the latest checkpoint holds the run's model: 0, or the first
+    of the ranks an elastic run's manifest names."""
+    try:
+        ranks = json.loads((checkpoint_dir(run_dir) / MANIFEST).read_text()).get("ranks")
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return int(ranks[0]) if isinstance(ranks, list) and ranks and isinstance(ranks[0], int) else 0
 
 
 def latest_step(run_dir: Path) -> tuple[int, int] | None:

@@ -164,11 +164,42 @@ class RunFinished(Event):
     overlap_seconds: float = 0.0  # of comm_seconds, those spent on non-blocking means
     overlap_bytes_sent: int = 0  # of bytes_sent, those sent by non-blocking means
     wait_seconds: float = 0.0  # of overlap_seconds, those inside the waits
+    # An elastic run (on_rank_loss = "continue"): the number of workers present from each of
+    # `worker_steps` on (the start and each change), and the launch ranks present at the end.
+    # Empty otherwise.
+    worker_steps: tuple[int, ...] = ()
+    worker_counts: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemberLost(Event):
+    """An elastic run's first round committed without a worker (labavg.comm.elastic)."""
+
+    type: ClassVar[str] = "member_lost"
+    step: int
+    round: int
+    lost: tuple[int, ...]  # launch ranks
+    size: int  # workers present now
+    round_seconds: float  # this round on this rank: the wait for the lighthouse to drop it too
+    time: float  # Unix time the round committed: a kill's time from it is the recovery time
+
+
+@dataclass(frozen=True)
+class MemberJoined(Event):
+    """A worker that healed at the round before took part in an elastic run's round."""
+
+    type: ClassVar[str] = "member_joined"
+    step: int
+    round: int
+    joined: tuple[int, ...]  # launch ranks
+    size: int
+    time: float
 
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
     RunStarted, MinibatchDone, Averaged, EpochDone, CheckpointSaved, Message, SpeedupPair,
-    RunFinished)}
+    RunFinished, MemberLost, MemberJoined)}
 
 
 def event_from_dict(values: Any) -> Event | None:

@@ -89,12 +89,13 @@ class ElasticCommunicator:
     def __init__(self, rank: int, launch_size: int, lighthouse: str, *,
                  device: torch.device | str = "cpu", min_workers: int = 1,
                  timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", joining: bool = False):
         _quiet_torchft()
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         self.rank, self.launch_size, self.local_rank = rank, launch_size, 0
+        self.joining = joining  # started to join a running job: its first collective is admit()
         self.device = torch.device(device)
         self._state: Callable[[], Any] = dict
         self._load: Callable[[Any], None] = lambda state: None

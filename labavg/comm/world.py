@@ -64,7 +64,7 @@ def open_communicator(backend: str, *, size: int = 1, device: str | torch.device
 
 def _open_elastic(size: int, device: str | torch.device, cfg: ElasticConfig):
     from labavg.comm.elastic import ElasticCommunicator
-    from labavg.comm.elastic_launch import LIGHTHOUSE_ENV
+    from labavg.comm.elastic_launch import JOINING_ENV, LIGHTHOUSE_ENV
 
     lighthouse = os.environ.get(LIGHTHOUSE_ENV)
     if lighthouse is None:
@@ -73,7 +73,12 @@ def _open_elastic(size: int, device: str | torch.device, cfg: ElasticConfig):
     rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if size > 1 and launched != size:
         raise UserError(f"{size} ranks were requested but the elastic launcher started {launched}")
-    return ElasticCommunicator(
+    comm = ElasticCommunicator(
         rank, launched, lighthouse, device=select_device(device, int(os.environ.get("LOCAL_RANK", "0"))),
         min_workers=cfg.min_workers, timeout_s=cfg.round_timeout_s,
-        quorum_timeout_s=cfg.quorum_timeout_s)
+        quorum_timeout_s=cfg.quorum_timeout_s, joining=os.environ.get(JOINING_ENV) == "1")
+    if not comm.joining:
+        # Workers start seconds apart (imports, data): every one of them is present at the
+        # first round, or the job does not start.
+        comm.gather(max(120.0, cfg.quorum_timeout_s))
+    return comm

@@ -202,7 +202,7 @@ def export_final_model(run_dir: Path, cfg, source) -> Path:
     found = checkpoint.latest_step(run_dir)
     if found is None:
         raise UserError(f"{run_dir}: no checkpoint to export the final model from")
-    state = checkpoint.load_rank_state(run_dir, found[0], 0)
+    state = checkpoint.load_rank_state(run_dir, found[0], checkpoint.model_rank(run_dir))
     train_keys, _ = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
     model = build_model(cfg, source, train_keys, torch.device("cpu"))
     flat = flatten_parameters([model])

@@ -128,9 +128,10 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                 bar.set_postfix(loss=f"{event.loss:.3f}", acc=f"{event.frame_accuracy:.3f}", refresh=False)
             elif isinstance(event, SpeedupPair):
                 pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
-            elif isinstance(event, RunFinished) and event.rank == 0:
+            elif isinstance(event, RunFinished) and event.rank == min(event.members or (0,)):
                 load = {"start": load_start, "end": os.getloadavg()[0]}
-                summary = make_summary(RunEnd(cfg, started[0], event, pairs, load, resume))
+                summary = make_summary(RunEnd(cfg, started[event.rank], event, pairs, load,
+                                                   resume))
     except Exception as exc:
         _throw_into(events, exc)
         raise

@@ -28,6 +28,7 @@ from labavg.base.events import (
     Averaged, CheckpointSaved, EpochDone, Event, Message, MinibatchDone, RunFinished, RunStarted,
 )
 from labavg.base.faults import apply_fault, parse_fault
+from labavg.base.machine import usable_cores
 from labavg.comm.base import Communicator
 from labavg.comm.watchdog import beating, busy, progress as made_progress
 from labavg.data.base import UtteranceSource
@@ -36,6 +37,8 @@ from labavg.optim.base import Optimizer
 from labavg.optim.factory import make_optimizer
 from labavg.training import rank_state
 from labavg.training.initial_model import build_model, input_dim, pretrain
+from labavg.training.membership import (Membership, admit, elastic_load, elastic_state,
+                                        follow_members)
 from labavg.training.model import DNN, count_parameters
 from labavg.training.rank_state import Progress
 from labavg.training.schedules import exponential_lr, newbob_start, newbob_step, scale_lr
@@ -68,6 +71,8 @@ def train_rank(
                              new_averager)
     run.should_stop = should_stop
     yield _run_started(run)
+    if run.joining:
+        yield from _join(run)
     while run.progress.step < run.total_steps and not run.stopped:
         epoch, start = divmod(run.progress.step, run.num_steps)
         reached_end = yield from _train_epoch(run, epoch, start)
@@ -114,6 +119,8 @@ class _RankRun:
     cv_loss: float = math.nan
     cv_acc: float = math.nan
     cv_step: int = -1  # the step the CV figures are of
+    membership: Membership | None = None  # an elastic run's workers (labavg.training.membership)
+    joining: bool = False  # started by `labavg train --join`: heals at the next round
 
 
 # Setup ----------------------------------------------------------------------------------------
@@ -133,15 +140,19 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         buffer_frames=cfg.data.buffer_frames, seed=cfg.seed, rank=comm.rank, size=comm.size,
         num_steps=num_steps,
     )
+    # A worker joining an elastic run receives every state at its first round (_join): until
+    # then it takes part in no collective.
+    joining = getattr(comm, "joining", False)
     # Model: rank 0's initial parameters everywhere; parameters live in one flat buffer.
     model = build_model(cfg, source, train_keys, device)
     flat = flatten_parameters([model])
-    broadcast_parameters(flat, comm)
+    if not joining:
+        broadcast_parameters(flat, comm)
     optimizer = _make_optimizer(cfg, model)
     restored = None
     if resume and run_dir is not None:
         restored = rank_state.restore(run_dir, comm.rank, flat, optimizer)
-    if restored is None and cfg.pretrain == "rbm":
+    if restored is None and cfg.pretrain == "rbm" and not joining:
         yield from pretrain(model, cfg, source, train_keys, comm, device)
         broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
     progress = Progress() if restored is None else restored.progress
@@ -153,7 +164,7 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         progress=progress, wall_start=wall_start, wall_before=progress.wall_seconds, fault=fault,
         resumed_accepted=None if restored is None else restored.accepted_params,
     )
-    if cfg.schedule == "newbob" and progress.newbob is None:
+    if cfg.schedule == "newbob" and progress.newbob is None and not joining:
         cv_loss0, cv_acc0 = _global_cv(run)
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
     elif progress.newbob is not None and progress.newbob.stopped:
@@ -164,8 +175,16 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
                                 sizes=[p.numel() for p in model.parameters()])
     if restored is not None:
         run.averager.load_state_dict(restored.averager_state, flat)
-    run.cores = run_cores(comm)
-    run.probe = make_probe(comm, cfg.speedup_pairs, cfg.effective_average_every(), run.total_steps)
+    elastic = hasattr(comm, "admit")
+    # An elastic run measures no speedup pairs: the N they are of could change under them.
+    run.probe = make_probe(comm, 0 if elastic else cfg.speedup_pairs,
+                           cfg.effective_average_every(), run.total_steps)
+    if not elastic:
+        run.cores = run_cores(comm)
+        return run
+    run.membership, run.joining = Membership(tuple(comm.members)), joining
+    run.cores = usable_cores()
+    comm.set_state(lambda: elastic_state(run), lambda state: elastic_load(run, state))
     return run
 
 
@@ -200,27 +219,47 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
     to its end without a stop request, False when it stopped on request."""
     run.epoch_started = time.perf_counter()
     _keep_accepted_model(run, start)
-    end_of_epoch = False
     for x, y in run.batches.epoch(epoch, start_step=start):
         yield from _train_minibatch(run, epoch, x, y)
-        step = run.progress.step
-        end_of_epoch = step % run.num_steps == 0
-        scope = run.averager.due(step, end_of_epoch)
-        if scope is None:
-            continue
-        yield from _average(run, scope)
-        yield from close_pair(run.probe, run.comm.rank, step, run.progress.rounds, end_of_epoch,
-                              run.device)
-        # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
-        # after it (they took seconds on a class corpus), only the checkpoint to resume from.
-        if run.run_dir is not None and (run.stopped or (
-                not end_of_epoch and run.progress.rounds % run.cfg.checkpoint_every == 0)):
-            yield _save(run)
-        if run.stopped or end_of_epoch:
+        if (yield from _round_if_due(run)):
             break  # an epoch's end saves in _end_epoch
-        start_pair(run.probe, run.comm, run.model, run.flat, run.optimizer, run.lr,
-                   run.progress.rounds, step, run.device)
     return not run.stopped
+
+
+def _round_if_due(run: _RankRun, admitted: bool = False) -> Iterator[Event]:
+    """The averaging round the averager says is due after the last minibatch, and the
+    checkpoint when one is due; returns (through `yield from`) whether the epoch ends here,
+    at its end or on a stop request. `admitted`: an elastic joiner's admission is done."""
+    step = run.progress.step
+    end_of_epoch = step % run.num_steps == 0
+    scope = run.averager.due(step, end_of_epoch)
+    if scope is None:
+        return False
+    yield from _average(run, scope, admitted)
+    yield from close_pair(run.probe, run.comm.rank, step, run.progress.rounds, end_of_epoch,
+                          run.device)
+    # A stop ends the run at this round, even an epoch end's: no CV, no epoch summary
+    # after it (they took seconds on a class corpus), only the checkpoint to resume from.
+    if run.run_dir is not None and (run.stopped or (
+            not end_of_epoch and run.progress.rounds % run.cfg.checkpoint_every == 0)):
+        yield _save(run)
+    if run.stopped or end_of_epoch:
+        return True
+    start_pair(run.probe, run.comm, run.model, run.flat, run.optimizer, run.lr,
+               run.progress.rounds, step, run.device)
+    return False
+
+
+def _join(run: _RankRun) -> Iterator[Event]:
+    """A worker started by `labavg train --join`: it heals at the survivors' next round
+    (their model, optimizer, averager, progress and membership become its own, bitwise) and
+    goes through the rest of that round with them, then trains on as one of them."""
+    run.comm.admit()
+    run.membership.change(tuple(run.comm.members), run.progress.step)
+    follow_members(run)
+    run.epoch_started = time.perf_counter()
+    if (yield from _round_if_due(run, admitted=True)) and not run.stopped:
+        yield from _end_epoch(run, (run.progress.step - 1) // run.num_steps)
 
 
 def _keep_accepted_model(run: _RankRun, start: int) -> None:
@@ -265,9 +304,13 @@ def _train_minibatch(run: _RankRun, epoch: int, x: torch.Tensor, y: torch.Tensor
     apply_fault(run.fault, rank, step, run.flat)
 
 
-def _average(run: _RankRun, scope: str) -> Iterator[Event]:
-    """One averaging round (Su & Chen 2015) of `scope`, as the averager runs it."""
+def _average(run: _RankRun, scope: str, admitted: bool = False) -> Iterator[Event]:
+    """One averaging round (Su & Chen 2015) of `scope`, as the averager runs it; in an elastic
+    run, opened by the admission round that says who is present."""
     rank, step = run.comm.rank, run.progress.step
+    if run.membership is not None and not admitted:
+        yield from admit(run.comm, run.membership, rank=rank, step=step, rounds=run.progress.rounds)
+        follow_members(run)
     wants_stop = run.should_stop is not None and run.should_stop()
     stats = run.averager.round(run.flat, stop=wants_stop, scope=scope)
     run.progress.add_round(stats)
@@ -337,11 +380,17 @@ def _run_finished(run: _RankRun) -> RunFinished:
         wall_seconds=run.wall_before + time.perf_counter() - run.wall_start,
         compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
         averaging_rounds=progress.rounds,
-        frames_trained=progress.step * run.cfg.minibatch * run.comm.size,
+        frames_trained=run.cfg.minibatch * (progress.step * run.comm.size
+                                            if run.membership is None
+                                            else run.membership.worker_steps(progress.step)),
         cv_loss=run.cv_loss, cv_frame_accuracy=run.cv_acc, stopped=run.stopped,
         bytes_sent=progress.bytes_sent, node_rounds=progress.node_rounds,
         node_bytes_sent=progress.node_bytes_sent, overlap_seconds=progress.overlap_seconds,
         overlap_bytes_sent=progress.overlap_bytes_sent, wait_seconds=progress.wait_seconds,
+        **({} if run.membership is None else {
+            "worker_steps": tuple(run.membership.steps),
+            "worker_counts": tuple(run.membership.counts),
+            "members": tuple(run.membership.members)}),
     )
 
 
@@ -357,7 +406,12 @@ def _save(run: _RankRun) -> CheckpointSaved:
 def _global_cv(run: _RankRun) -> tuple[float, float]:
     """CV loss and frame accuracy of the (identical) model over every rank's part of the CV set."""
     comm = run.comm
-    mine = run.cv_keys[comm.rank :: comm.size]
+    if run.membership is None:
+        mine = run.cv_keys[comm.rank :: comm.size]
+    else:  # split over the workers present; a joiner sitting out its first round takes none
+        members = run.membership.members
+        mine = (run.cv_keys[members.index(comm.rank) :: len(members)]
+                if comm.rank in members else [])
     # Work, not a hang, however long (one batch is 4096 frames, on a big model many seconds):
     # busy for this rank's watchdog, a beat per batch for its in-process group.
     with busy():
@@ -380,3 +434,4 @@ def _learning_rate(run: _RankRun, step: int) -> float:
     if run.progress.newbob is not None:
         return run.lr0 * run.progress.newbob.lr_scale
     return exponential_lr(run.lr0, run.lr_final, step / max(run.total_steps - 1, 1))
+

@@ -110,8 +110,12 @@ def save(run_dir: Path, comm: Communicator, progress: Progress, flat: torch.Tens
         state["accepted_params"] = accepted_params.detach().cpu().clone()
     checkpoint.save_rank_state(run_dir, progress.step, comm.rank, state)
     comm.barrier()
-    if comm.rank == 0:
+    # An elastic run's lost ranks save nothing; the first one present commits (labavg.comm.elastic).
+    members = getattr(comm, "members", None)
+    if members is None and comm.rank == 0:
         checkpoint.commit_checkpoint(run_dir, progress.step, comm.size)
+    elif members is not None and comm.rank == members[0]:
+        checkpoint.commit_checkpoint(run_dir, progress.step, comm.launch_size, list(members))
     comm.barrier()  # nobody runs ahead into a later save before the manifest is written
     path = checkpoint.checkpoint_dir(run_dir) / f"{progress.step:09d}"
     return CheckpointSaved(rank=comm.rank, step=progress.step, path=str(path))

@@ -127,13 +127,16 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
     from labavg.comm.world import open_communicator
     from labavg.comm.watchdog import Watchdog, WatchedCommunicator
 
-    comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device)
+    elastic = cfg.elastic if cfg.on_rank_loss == "continue" else None
+    comm = open_communicator(cfg.backend, size=cfg.ranks if cfg.ranks > 1 else 1, device=cfg.device,
+                             elastic=elastic)
     watchdog = None
     step = 0
     started = False  # errors before this were met on every rank (agreed): no abort needed
     try:
         rank_comm = comm
-        if comm.size > 1 and cfg.watchdog_seconds > 0:
+        # An elastic run's rounds have torchft's timeouts, which drop a hung worker and go on.
+        if comm.size > 1 and cfg.watchdog_seconds > 0 and elastic is None:
             watchdog = Watchdog(comm, cfg.watchdog_seconds, run_dir).start()
             rank_comm = WatchedCommunicator(comm, watchdog)
 
@@ -142,7 +145,8 @@ def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSou
             check_fits(cfg, opened, comm.size)
             return opened, select_device(cfg.device, comm.local_rank)
 
-        source, device = _agree(rank_comm, start)
+        # A joiner takes part in no collective before its first round (labavg.training.rank).
+        source, device = start() if getattr(comm, "joining", False) else _agree(rank_comm, start)
         started = True
         for event in train_rank(rank_comm, cfg, source, run_dir, resume, device, should_stop):
             step = getattr(event, "step", step)
