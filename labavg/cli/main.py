@@ -8,7 +8,9 @@
     labavg compare RUN_A RUN_B       paired bootstrap of two runs' WERs on one decoded set
     labavg info RUN_DIR...           print run summaries as a table
 
-Bad input prints one message and exits with status 2.
+Bad input prints one message and exits with status 2. SIGINT and SIGTERM end a long command
+(train, sweep, decode, reproduce, corpus) with 130 and 143 and one line naming the command that
+goes on (labavg.cli.signals).
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def answer_signals(rerun: Callable[[], str], work: Callable[[], int]) -> int:
         try:
             return work()
         except KeyboardInterrupt as exc:
-            signum = signal_of(exc)
+            # The signal caught here; a run's thread re-raises a plain KeyboardInterrupt.
+            signum = caught[0] if caught else signal_of(exc)
         except Exception:
             if not caught:
                 raise
