@@ -26,7 +26,9 @@ FILE_KEYS = (
     "stopped comm_fraction overlap fragment_bytes overlap_bytes_sent comm_wait_seconds "
     "comm_hidden_fraction cores load_average speedup_pairs config speedup speedup_low "
     "speedup_high speedup_bound speedup_flag parallel_efficiency speedup_text resumed wer wer_ci "
-    "per per_ci acwt decode_set").split()
+    "per per_ci acwt decode_set "
+    # Appended since (an elastic run's membership): the keys before keep their order.
+    "worker_steps worker_counts frames_untrained").split()
 
 
 def _end(**finished) -> RunEnd:

@@ -142,6 +142,12 @@ def _speedup_and_range(row: Row) -> str | None:
     return None if text is None else text + (" *" if row.get("speedup_flag") else "")
 
 
+def _workers(row: Row) -> str | None:
+    """An elastic run's workers over time, "4 -> 3 -> 4"; None where they never changed."""
+    counts = row.get("worker_counts")
+    return None if not counts or len(counts) < 2 else " -> ".join(map(str, counts))
+
+
 def _stopped(row: Row) -> str:
     return "yes" if row.get("status") == "stopped" else "no"
 
@@ -152,6 +158,8 @@ COLUMNS: dict[str, Column] = {c.key: c for c in (
     Column("stopped", "stopped", join=_stopped, align="left"),
     Column("backend", "backend", align="left"),
     Column("ranks", "ranks"),
+    Column("worker_counts", "workers over time", source="summary.worker_counts"),
+    Column("workers", "workers", join=_workers, align="left"),
     Column("average_every", "K"),
     Column("averaging", "method", align="left"),
     Column("reduce", "reduce", align="left"),

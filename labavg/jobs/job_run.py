@@ -189,8 +189,10 @@ class JobRun:
                                              lambda: last_steps(self.run_dir))
             sys.stderr.write(text)
         finally:
-            self._held.close()
-            self._ended.set()
+            try:
+                self._held.close()
+            finally:  # a lock that cannot be released (its directory removed) still ends the job
+                self._ended.set()
 
     def _say_interrupted(self, signum: int) -> None:
         import signal

@@ -97,6 +97,11 @@ class RunSummary:
     per_ci: list[float] | None = _from(None)
     acwt: float | None = _from(None)
     decode_set: str | None = _from(None)
+    # An elastic run (on_rank_loss = "continue"): the workers present from each step on (the
+    # start and each change), and the frames the lost workers' shards left untrained.
+    worker_steps: list[int] | None = _from("worker_steps")
+    worker_counts: list[int] | None = _from("worker_counts")
+    frames_untrained: int | None = _from("frames_untrained")
 
     def to_dict(self) -> dict[str, Any]:
         """summary.json's object (the config as config.json writes it)."""

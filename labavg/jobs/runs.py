@@ -18,6 +18,7 @@ from typing import Any
 
 from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.base.checkpoint import CannotWrite, atomic_write_text, remove_orphans
+from labavg.comm.elastic_launch import JOINING_ENV
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig
 from labavg.base.settings import to_dict
@@ -41,16 +42,19 @@ def open_source(cfg: TrainConfig, allow_pipes: bool = False):
     )
 
 
-def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False):
+def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False, *,
+              joining: bool = False):
     """Everything that can be checked before any rank starts; returns the opened data.
 
     The launcher of a multi-process job calls it once, so that a bad setting or data set is
     reported once, before N ranks meet it; run_training calls it on every rank anyway.
+    `joining`: a worker added to a running elastic job, whose directory is the job's.
     """
     from labavg.training.runner import check_fits
 
     run_dir = Path(cfg.out)
-    check_run_dir(run_dir, resume, cfg)
+    if not joining:
+        check_run_dir(run_dir, resume, cfg)
     if cfg.decode_data is not None:
         from labavg.decode.run import check_decode_data
 
@@ -59,6 +63,8 @@ def preflight(cfg: TrainConfig, resume: bool = False, allow_pipes: bool = False)
     check_fits(cfg, source)  # with cfg.ranks; the ranks check again with the size they find
     # Every check has passed: only now is the run directory touched (a refused command
     # leaves it byte-identical, its checkpoints above all).
+    if joining:
+        return source
     accept_run_dir(run_dir)
     if resume and launcher_rank() == 0:
         remove_orphans(run_dir)
@@ -91,7 +97,8 @@ def run_training(
         opened: dict[str, Any] = {}
 
         def open_data():  # opened on every rank (labavg.training.runner.train agrees on the outcome)
-            opened["source"] = preflight(cfg, resume, allow_pipes)
+            opened["source"] = preflight(cfg, resume, allow_pipes,
+                                         joining=os.environ.get(JOINING_ENV) == "1")
             return opened["source"]
 
         return _consume(cfg, train(cfg, open_data, run_dir, resume, should_stop=should_stop),

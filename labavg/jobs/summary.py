@@ -90,6 +90,22 @@ class RunEnd:
     def speedup_text(self) -> str:
         return self.speedup.text()
 
+    @property
+    def worker_steps(self) -> list[int] | None:
+        return list(self.finished.worker_steps) or None
+
+    @property
+    def worker_counts(self) -> list[int] | None:
+        return list(self.finished.worker_counts) or None
+
+    @property
+    def frames_untrained(self) -> int | None:
+        """What a lost worker's shard would have trained while it was away (its place empty)."""
+        if not self.finished.worker_counts:
+            return None
+        return self.finished.step * self.started.size * self.config.minibatch \
+            - self.finished.frames_trained
+
 
 def make_summary(end: RunEnd) -> RunSummary:
     """The summary.json of a run: each field from where RunSummary says it comes from."""
@@ -192,9 +208,10 @@ def summary_row(name: str, summary: RunSummary | Mapping[str, Any]) -> dict[str,
 
 
 # `labavg info`'s columns (labavg.jobs.columns); WER and PER only when a run decoded, reduce
-# and payload only when a run did not use the default (they would repeat it in every row).
-INFO_COLUMNS = ("run", "ranks", "average_every", "optimizer", "lr", "epochs", "averaging",
-                "reduce", "payload", "wer_with_ci", "per", "cv_acc_pct", "cv_loss",
+# and payload only when a run did not use the default (they would repeat it in every row),
+# workers only when an elastic run's changed.
+INFO_COLUMNS = ("run", "ranks", "workers", "average_every", "optimizer", "lr", "epochs",
+                "averaging", "reduce", "payload", "wer_with_ci", "per", "cv_acc_pct", "cv_loss",
                 "wall_seconds", "comm_pct", "speedup_with_range", "cores", "efficiency_pct",
                 "stopped")
 
@@ -214,7 +231,8 @@ def format_runs(runs: list[tuple[str, TrainConfig | None, RunSummary | None]]) -
     shown = {"wer_with_ci": any(r["wer"] is not None for r in rows),
              "per": any(r["wer"] is not None for r in rows),
              "reduce": any(r["reduce"] not in (None, "allreduce") for r in rows),
-             "payload": any(r["payload"] not in (None, "fp32") for r in rows)}
+             "payload": any(r["payload"] not in (None, "fp32") for r in rows),
+             "workers": any(len(r.get("worker_counts") or ()) > 1 for r in rows)}
     keys = [k for k in INFO_COLUMNS if shown.get(k, True)]
     return "\n".join([markdown_table(keys, rows)] + _speedup_notes(named))
 

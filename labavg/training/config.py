@@ -172,6 +172,9 @@ class TrainConfig:
             why = f"backend = {self.backend!r}: elastic runs are torch processes under torchft"
         elif self.averaging.hierarchy.across_nodes_every > 0:
             why = "averaging.hierarchy: a node group has no elastic form"
+        elif self.averaging.overlap != "none":
+            why = (f"averaging.overlap = {self.averaging.overlap!r}: a worker joins as a round "
+                   f"opens, and an overlapped round is still in flight then")
         elif self.averaging.reduce != "allreduce":
             why = (f"averaging.reduce = {self.averaging.reduce!r}: its point-to-point messages "
                    f"have no elastic form")

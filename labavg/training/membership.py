@@ -89,8 +89,11 @@ def follow_members(run: Any) -> None:
 def elastic_state(run: Any) -> dict[str, Any]:
     """What a joining worker receives from a survivor: what a checkpoint holds, and who is
     present (tensors, numbers, lists: loadable with weights_only=True)."""
+    # Unlike a checkpoint's (taken after a round, when the parameters are the global model),
+    # this state is taken as a round opens: the global model is its own.
     return {"params": run.flat, "optimizer": run.optimizer.state_dict(),
             "progress": run.progress.state_dict(), "averager": run.averager.state_dict(),
+            "global_model": getattr(run.averager, "global_model", None),
             "accepted_params": run.accepted_params, "membership": run.membership.state_dict(),
             "lr": run.lr}
 
@@ -100,6 +103,8 @@ def elastic_load(run: Any, state: dict[str, Any]) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.progress = Progress.from_state_dict(state["progress"])
     run.averager.load_state_dict(state["averager"], run.flat)
+    if state["global_model"] is not None:
+        run.averager.global_model.copy_(state["global_model"].to(run.flat.device))
     accepted = state["accepted_params"]
     run.accepted_params = run.resumed_accepted = (None if accepted is None
                                                   else accepted.to(run.device))
