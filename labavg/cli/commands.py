@@ -84,6 +84,22 @@ def train_config(args: argparse.Namespace):
     return with_overrides(cfg, overrides, sources)
 
 
+def _join(args: argparse.Namespace) -> int:
+    from labavg.jobs.elastic_join import join
+    from labavg.training.config import cli_flags
+
+    given = [flag.flag for flag in cli_flags() if getattr(args, _dest(flag)) not in (None, False)]
+    given += [name for name, value in (("CONFIG", args.config), ("--set", args.set),
+                                       ("--resume", args.resume), ("--hosts", args.hosts),
+                                       ("--launcher", args.launcher)) if value]
+    if given:
+        raise UserError(f"--join takes the running job's own settings: drop {', '.join(given)}")
+    joined = join(args.join)
+    print(f"labavg: rank {joined.rank} (pid {joined.pid}) joined the job in {args.join}; it "
+          f"trains with the others until the job ends")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher
     from labavg.jobs.job_outcome import JobFailed
@@ -92,6 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from labavg.jobs.summary import format_runs
 
     progress = not args.no_progress
+    if args.join:
+        return _join(args)
     if detect_launcher() is not None:
         # The user's own mpiexec, srun or torchrun started this process as one rank: no
         # start_run validates for it, so it does, as every rank of a job labavg starts is

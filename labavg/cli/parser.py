@@ -39,6 +39,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any setting, e.g. --set ngsgd.rank_in=10 (value parsed as TOML)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    p.add_argument("--join", metavar="RUN_DIR", help="add a worker to RUN_DIR's running elastic "
+                   "job (on_rank_loss = \"continue\") in the place of a lost one; it takes the "
+                   "job's own settings and heals from a survivor at the next round")
     p.add_argument("--hosts", help="MPI host list (h1,h2 or h1:4,h2:4) when starting mpiexec")
     p.add_argument("--launcher", choices=["slurm"], help="slurm: start the ranks with srun in "
                    "this Slurm allocation (salloc, sbatch) instead of mpiexec on this machine")
