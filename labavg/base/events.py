@@ -212,9 +212,16 @@ def event_from_dict(values: Any) -> Event | None:
     if found is None:
         return None
     cls, fields = found
-    if isinstance(fields.get("fragment_bytes"), list):
-        fields["fragment_bytes"] = tuple(fields["fragment_bytes"])  # JSON has no tuples
+    for name in _TUPLE_FIELDS.get(cls, ()):
+        if isinstance(fields.get(name), list):
+            fields[name] = tuple(fields[name])  # JSON has no tuples
     return cls(**fields)
+
+
+# Each event type's fields declared as tuples, which JSON gives back as lists.
+_TUPLE_FIELDS: dict[type[Event], tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple"))
+    for cls in EVENT_TYPES.values()}
 
 
 def well_formed(values: Any) -> bool:

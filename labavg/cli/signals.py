@@ -90,7 +90,11 @@ def train_rerun(argv: list[str], run_dir: str | None, resumed: bool) -> str:
     run = Path(run_dir)
     if latest_step(run) is not None:
         return command_line(["train", "--resume", run_dir])
-    if not resumed and not (run / "summary.json").exists():
+    from labavg.comm.launchers import detect_launcher
+
+    # A rank of a job the user's own mpiexec/torchrun started does not own the directory: the
+    # launcher ends it for a peer's failure too, and what it logged says where the job got to.
+    if not resumed and not (run / "summary.json").exists() and detect_launcher() is None:
         for name in ("events.jsonl", "config.json"):
             (run / name).unlink(missing_ok=True)
         shutil.rmtree(run / "tensorboard", ignore_errors=True)

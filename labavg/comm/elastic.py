@@ -91,8 +91,9 @@ class ElasticCommunicator:
                  timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
                  host: str = "127.0.0.1", joining: bool = False):
         _quiet_torchft()
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
+
+        from labavg.comm.torch_dist import loopback_store
 
         self.rank, self.launch_size, self.local_rank = rank, launch_size, 0
         self.joining = joining  # started to join a running job: its first collective is admit()
@@ -102,7 +103,8 @@ class ElasticCommunicator:
         self._healed = False
         self._spectator = False
         timeout = timedelta(seconds=timeout_s)
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # Given a host, TCPStore still listens on every interface: a socket bound there does not.
+        self._store = loopback_store(host=host, timeout_s=timeout_s)
         if self.device.type == "cuda":
             from torchft import ProcessGroupNCCL
 

@@ -240,7 +240,9 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     finally:
         if held is not None:
             os.close(held.fd)
-        if created and {p.name for p in run_dir.iterdir()} <= {LOCK, HEARTBEAT_DIR}:
+        # A directory removed under the job (rm -rf by hand) has nothing left to clean.
+        if created and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {
+                LOCK, HEARTBEAT_DIR}:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
