@@ -34,13 +34,12 @@ def _events(run: Path) -> list[dict]:
 
 
 def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise SystemExit(f"timed out waiting for {what}")
+    from labavg.base.waiting import wait_until
+
+    found = wait_until(predicate, timeout, 0.05)
+    if not found:
+        raise SystemExit(f"timed out waiting for {what}")
+    return found
 
 
 def trial(data: str, ranks: int, heartbeat_ms: int, root: Path) -> tuple[float, float]:

@@ -166,10 +166,12 @@ class ElasticCommunicator:
 
         row = torch.zeros(self.launch_size, dtype=buf.dtype, device=buf.device)
         row[self.rank] = 1
-        original = torch.cat([buf, row])
         for attempt in range(1, ROUND_RETRIES + 2):
             self._healed = False
-            work = torch.zeros_like(original) if self._spectator else original.clone()
+            # `buf` is untouched until a round commits: each attempt starts from it again.
+            work = torch.cat([buf, row])
+            if self._spectator:
+                work.zero_()
             self._manager.start_quorum(shrink_only=not admit)
             try:
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
@@ -213,8 +215,8 @@ class ElasticCommunicator:
         """Copy launch rank `root`'s `buf` to every worker present (root must be present)."""
         check_buffer(buf)
         check_root(root, self.launch_size)
-        mine = buf if self.rank == root else torch.zeros_like(buf)
-        buf.copy_(mine)
+        if self.rank != root:
+            buf.zero_()
         self._reduce(buf, mean=False)
         if root not in self.members:
             raise TooFewWorkers(f"rank {root}, the source of a broadcast, has left the job")

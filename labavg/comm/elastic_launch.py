@@ -28,6 +28,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from labavg.comm.launchers import end_with_parent
+
 # What tells a worker it is elastic, and where its lighthouse is (read by labavg.comm.world).
 LIGHTHOUSE_ENV = "LABAVG_LIGHTHOUSE"
 MIN_WORKERS_ENV = "LABAVG_MIN_WORKERS"
@@ -54,7 +56,7 @@ class ElasticJob:
                "LOCAL_RANK": str(rank), LIGHTHOUSE_ENV: self.lighthouse,
                MIN_WORKERS_ENV: str(self.min_workers), JOINING_ENV: "1" if joining else "0"}
         proc = subprocess.Popen([sys.executable, *self.argv], env=env, start_new_session=True,
-                                preexec_fn=_end_with_parent if sys.platform == "linux" else None)
+                                preexec_fn=end_with_parent if sys.platform == "linux" else None)
         self.running[rank] = proc
         threading.Thread(target=lambda: self.inbox.put(("exit", rank, proc.wait())),
                          daemon=True, name=f"labavg-worker-{rank}").start()
@@ -113,7 +115,10 @@ class ElasticJob:
     def _end_all(self) -> None:
         for proc in self.running.values():
             _signal(proc, signal.SIGTERM)
-        threading.Timer(GRACE_SECONDS, self._kill_all).start()
+        # A daemon: once the workers have ended, nothing is left to kill and the launcher exits.
+        timer = threading.Timer(GRACE_SECONDS, self._kill_all)
+        timer.daemon = True
+        timer.start()
 
     def _kill_all(self) -> None:
         for proc in list(self.running.values()):
@@ -136,13 +141,6 @@ def _signal(proc: subprocess.Popen, signum: int) -> None:
         os.killpg(proc.pid, signum)  # the worker's session: its data threads' children too
     except ProcessLookupError:
         pass
-
-
-def _end_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _serve_joins(path: Path, inbox: queue.Queue) -> socket.socket:

@@ -185,3 +185,12 @@ def elastic_command(n: int, argv: list[str], *, min_workers: int, heartbeat_ms: 
     return [sys.executable, "-m", "labavg.comm.elastic_launch", "--nproc", str(n),
             "--min-workers", str(min_workers), "--heartbeat-ms", str(heartbeat_ms),
             "--join-timeout-ms", str(join_timeout_ms), "--state-file", state_file, "--", *argv]
+
+
+def end_with_parent() -> None:
+    """In a child before exec (`preexec_fn`): SIGTERM when its parent dies (Linux
+    PR_SET_PDEATHSIG), so a launcher's job ends with it however it ends."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from labavg.base.errors import UserError
 from labavg.base.events import MemberJoined, event_from_dict
+from labavg.base.waiting import wait_until
 from labavg.comm.elastic_launch import request_join
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY, EventTail
 from labavg.jobs.job_run import ELASTIC_STATE
@@ -70,15 +72,18 @@ def join(run_dir: str | Path, *, timeout: float = 120.0) -> Joined:
     if "error" in answer:
         raise UserError(f"{run_dir}: {answer['error']}")
     joined = Joined(int(answer["rank"]), int(answer["pid"]))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for event in filter(None, map(event_from_dict, tail.read())):
-            if isinstance(event, MemberJoined) and joined.rank in event.joined:
-                return joined
-        if not _alive(joined.pid):
+
+    def took_part() -> bool:
+        if any(isinstance(e, MemberJoined) and joined.rank in e.joined
+               for e in filter(None, map(event_from_dict, tail.read()))):
+            return True
+        if not psutil.pid_exists(joined.pid):
             raise UserError(f"{run_dir}: the worker started for rank {joined.rank} "
                             f"(pid {joined.pid}) ended before it joined: see the job's output")
-        time.sleep(0.2)
+        return False
+
+    if wait_until(took_part, timeout, 0.2):
+        return joined
     raise UserError(f"{run_dir}: rank {joined.rank} (pid {joined.pid}) did not join within "
                     f"{timeout:.0f} s")
 
@@ -98,12 +103,3 @@ def lose(run_dir: str | Path, rank: int | None = None) -> int:
         pass
     return rank
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -29,6 +29,7 @@ from labavg.base.events import Event, event_from_dict
 from labavg.base.json_files import FLAG, OBJECT, TEXT, check_fields, load_json
 from labavg.base.settings import to_dict
 from labavg.base.waiting import Deadline, wait_until
+from labavg.comm.launchers import end_with_parent
 from labavg.jobs.job_outcome import JobFailed, last_steps, lost_ranks, srun_lost
 from labavg.jobs.launcher_output import LauncherOutput
 from labavg.jobs.run_json import RunSummary
@@ -143,7 +144,7 @@ class JobRun:
             self._proc = subprocess.Popen(
                 job_command(cfg, argv, hosts=hosts, slurm=slurm), stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
-                preexec_fn=_end_with_parent if sys.platform == "linux" else None)
+                preexec_fn=end_with_parent if sys.platform == "linux" else None)
         except BaseException:
             self._held.close()
             raise
@@ -261,11 +262,3 @@ class JobRun:
 
 def _job_kind(cfg: TrainConfig) -> str:
     return {"mpi": "MPI", "torch": "torchrun"}.get(cfg.backend, "training")
-
-
-def _end_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
