@@ -31,6 +31,8 @@ import panel as pn  # noqa: E402
 from panel.theme import Fast  # noqa: E402
 
 from dashboard.controls import RunControls, SettingsPanel  # noqa: E402
+from dashboard.elastic import WorkerControls  # noqa: E402
+from dashboard.elastic_view import WorkerButtons  # noqa: E402
 from dashboard.jobs import JobRegistry, server_jobs  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.live_view import LivePlots  # noqa: E402
@@ -72,7 +74,9 @@ class Dashboard:
         # before the plots and boxes are made, so they are made for it, once.
         self.live.attach(last=True)
         self.table = RunTable(runs_dir=self.settings.runs_dir)
-        self.plots = LivePlots(self.live)
+        # An elastic run's "Lose a worker" and "Add a worker" (shown only for one).
+        self.workers = WorkerControls(self.live)
+        self.plots = LivePlots(self.live, controls=WorkerButtons(self.workers))
         self.runs = RunsView(self.table)
         self.scaling = ScalingView(self.table, self.settings)
         self.controls = RunControls(self.settings, self.live)
@@ -95,6 +99,7 @@ class Dashboard:
         """The page's flush (see the module's docstring): queued events into the run's
         buffers, their rows to the plots."""
         self.live.drain()
+        self.workers.refresh()
         self.plots.stream()
 
     def _main(self) -> pn.Column:

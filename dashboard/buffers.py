@@ -12,8 +12,9 @@ from collections import deque
 import numpy as np
 
 from dashboard.live_plots import LIVE_PLOTS, RANK0, LivePlot
-from labavg.base.events import (Averaged, Event, Message, MinibatchDone, RunFinished, RunStarted,
-                                SpeedupPair)
+from dashboard.membership import Workers
+from labavg.base.events import (Averaged, Event, MemberLost, Message, MinibatchDone,
+                                RunFinished, RunStarted, SpeedupPair)
 from labavg.studies.costmodel import MeasuredCosts
 
 POINTS_PER_CURVE = 5000
@@ -34,23 +35,52 @@ class RankSeries:
         self.points = [deque(maxlen=maxlen) for _ in range(ranks)]
         self._pending: dict[float, np.ndarray] = {}
         self._fresh: deque = deque(maxlen=maxlen)
+        # An elastic run's workers that left (a row waits for them no more), and where each
+        # worker that came back reported first (a row before that never waits for it).
+        self._gone: set[int] = set()
+        self._since: dict[int, float] = {}
+        self._emitted = -math.inf  # the highest x of a row sent
 
     def add(self, rank: int, x: float, y: float) -> None:
         """Record rank's value y at x."""
         if not 0 <= rank < self.ranks:
             return
         self.points[rank].append((x, y))
+        if rank in self._gone:  # back (a worker that joined in its place)
+            self._gone.discard(rank)
+            self._since[rank] = x
         row = self._pending.get(x)
         if row is None:
+            if x <= self._emitted and rank in self._since:
+                # A joined worker's first values, for a step the others' row already went
+                # with: drawn from its next row on, as the row sent cannot take it any more.
+                return
             row = self._pending[x] = np.full(self.ranks, np.nan)
         row[rank] = y
-        if not np.isnan(row).any():
+        if self._complete(x, row):
             self._emit(x, self._pending.pop(x))
         elif len(self._pending) > _MAX_PENDING:
             oldest = min(self._pending)
             self._emit(oldest, self._pending.pop(oldest))
 
+    def _complete(self, x: float, row: np.ndarray) -> bool:
+        """Every worker a row at x waits for has reported."""
+        if not self._gone and not self._since:  # every run but an elastic one's after a change
+            return not np.isnan(row).any()
+        return all(not math.isnan(row[r]) for r in range(self.ranks)
+                   if r not in self._gone and x >= self._since.get(r, -math.inf))
+
+    def leave(self, rank: int) -> None:
+        """`rank` left an elastic run: its curve ends; the rows that waited for it go."""
+        if not 0 <= rank < self.ranks:
+            return
+        self._gone.add(rank)
+        for x in sorted(self._pending):
+            if self._complete(x, self._pending[x]):
+                self._emit(x, self._pending.pop(x))
+
     def _emit(self, x: float, row: np.ndarray) -> None:
+        self._emitted = max(self._emitted, x)
         finite = row[~np.isnan(row)]
         mean = float(finite.mean()) if finite.size else math.nan
         self._fresh.append((x, *row.tolist(), mean))
@@ -82,6 +112,7 @@ class RunBuffers:
         self.plots = tuple(plot for plot in plots if plot.feed is not None)
         self.series = {plot.name: {s.column: RankSeries(1 if plot.ranks == RANK0 else ranks, maxlen)
                                    for s in plot.series} for plot in self.plots}
+        self.workers = Workers(ranks, maxlen)  # who is present (an elastic run's N over time)
         self.last_step = 0
         self.finished: RunFinished | None = None  # rank 0's
         self.started: RunStarted | None = None  # rank 0's
@@ -107,9 +138,14 @@ class RunBuffers:
                 x, rank = plot.x_value(event), 0 if plot.ranks == RANK0 else event.rank
                 for s in plot.series:
                     self.series[plot.name][s.column].add(rank, x, s.value(event))
+        self.workers.add(event)
         match event:
             case MinibatchDone():
                 self.last_step = max(self.last_step, event.step)
+            case MemberLost():
+                for rows in self._per_rank():
+                    for rank in event.lost:
+                        rows.leave(rank)
             case Averaged():
                 self._averaged(event)
             case RunStarted(rank=0):
@@ -121,6 +157,11 @@ class RunBuffers:
             case RunFinished(rank=0):
                 self.finished = event
                 self.flush()
+
+    def _per_rank(self) -> list[RankSeries]:
+        # Rank 0's series (RANK0) are of one rank: not the launch ranks a change names.
+        return [rows for series in self.series.values() for rows in series.values()
+                if rows.ranks == self.ranks]
 
     def _averaged(self, event: Averaged) -> None:
         self.frames += event.frames_per_second * event.compute_seconds

@@ -19,11 +19,15 @@ from labavg.base.events import Averaged, EpochDone, Event, MinibatchDone
 
 # How a plot draws the ranks: EACH a curve per rank and their mean (the series' values are
 # per rank); MEAN and SUM one curve per series over the ranks; RANK0 rank 0's events only.
-EACH, MEAN, SUM, RANK0 = "each", "mean", "sum", "rank 0"
+# RUN one value of the whole run (the workers present), however many ranks say it.
+EACH, MEAN, SUM, RANK0, RUN = "each", "mean", "sum", "rank 0", "run"
 # The figure a plot is: streamed bokeh curves (dashboard.plots.StreamedCurves), the accuracy
 # plot of the few epochs (redrawn whole), or the speedup plot (fed by the run's speedup, not
 # by rows).
 CURVES, ACCURACY, SPEEDUP = "curves", "accuracy", "speedup"
+# The step plot of the workers present (dashboard.membership.Workers: each change once, not
+# one curve per rank; fed by run_started, averaging rounds, member_lost and member_joined).
+WORKERS = "workers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,9 @@ class LivePlot:
     over: bool = False  # EACH: thick rank curves under a thin dashed mean
     draw: str = CURVES
     x_of: Callable[[Any], float] | None = None
+    # Shown for every run (None), only for an elastic one (True: workers leave and join), or
+    # only for a run of fixed N (False: the speedup, which an elastic run does not measure).
+    elastic: bool | None = None
 
     def x_value(self, event: Event) -> float:
         """The event's x in this plot."""
@@ -61,6 +68,10 @@ class LivePlot:
     def title_for(self, ranks: int) -> str:
         """The title of this plot for a run of `ranks` ranks."""
         return self.title(ranks) if callable(self.title) else self.title
+
+    def shown(self, elastic: bool) -> bool:
+        """Whether the plot is shown for a run that is (or is not) elastic."""
+        return self.elastic is None or self.elastic == elastic
 
     @property
     def per_rank(self) -> bool:
@@ -84,7 +95,11 @@ LIVE_PLOTS: tuple[LivePlot, ...] = (
     LivePlot("divergence", Averaged, "round", (Series("div", "divergence", lambda e: e.divergence),),
              title=_divergence_title, xlabel="averaging round", ylabel="relative RMS distance",
              over=True),
-    LivePlot("speedup", None, "ranks", draw=SPEEDUP),
+    LivePlot("workers", None, "step", (Series("workers", "workers present", lambda n: n,
+                                               {"color": "#8c564b", "line_width": 2.5}),),
+             title="Workers present (N)", xlabel="step (minibatches)", ylabel="workers present (N)",
+             ranks=RUN, legend=None, draw=WORKERS, elastic=True),
+    LivePlot("speedup", None, "ranks", draw=SPEEDUP, elastic=False),
     LivePlot("times", Averaged, "round",
              (Series("compute_s", "compute", lambda e: e.compute_seconds, {"color": "#1f77b4"}),
               Series("comm_s", "communication", lambda e: e.comm_seconds, {"color": "#d62728"})),

@@ -16,7 +16,9 @@ import panel as pn
 
 from dashboard.buffers import POINTS_PER_CURVE, RunBuffers
 from dashboard.live import LiveRun
-from dashboard.live_plots import ACCURACY, EACH, LIVE_PLOTS, MEAN, RANK0, SPEEDUP, SUM, LivePlot
+from dashboard.live_plots import (ACCURACY, EACH, LIVE_PLOTS, MEAN, RANK0, SPEEDUP, SUM, WORKERS,
+                                  LivePlot)
+from dashboard.membership import is_elastic
 from dashboard.plots import (
     FLEX_ITEM,
     MIN_PLOT_WIDTH,
@@ -25,10 +27,12 @@ from dashboard.plots import (
     SpeedupPlot,
     StreamedCurves,
     count_axis,
+    counts,
     load_backend,
     rank_curves,
 )
-from dashboard.speedup import PREDICTION_NETWORK, RunSpeedup, machine_cores, shown_text
+from dashboard.speedup import (PREDICTION_NETWORK, RunSpeedup, elastic_text, machine_cores,
+                               shown_text)
 
 _LEGEND_MAX_RANKS = 8  # beyond this, a legend would hide the plot
 _SETTLE_FLUSHES = 3  # flushes to wait after replacing the plots before streaming into them
@@ -74,13 +78,19 @@ def figure_of(plot: LivePlot, ranks: int, maxlen: int) -> Any:
     if plot.draw == ACCURACY:
         return AccuracyPlot(maxlen)
     legend = plot.legend is not None and (plot.ranks != EACH or ranks <= _LEGEND_MAX_RANKS)
-    return StreamedCurves(plot.x, curves_of(plot, ranks), maxlen, plot.title_for(ranks),
-                          plot.xlabel, plot.ylabel, legend, plot.legend or "top_right",
-                          **count_axis())
+    figure = StreamedCurves(plot.x, curves_of(plot, ranks), maxlen, plot.title_for(ranks),
+                            plot.xlabel, plot.ylabel, legend, plot.legend or "top_right",
+                            **count_axis())
+    if plot.draw == WORKERS:
+        counts(figure.element)
+    return figure
 
 
 def rows_of(plot: LivePlot, buffers: RunBuffers) -> pd.DataFrame | None:
     """The complete rows of `plot` since the last call, as its figure's columns (None: none)."""
+    if plot.draw == WORKERS:
+        points = buffers.workers.take()
+        return pd.DataFrame(points, columns=[plot.x, plot.series[0].column]) if points else None
     taken = [(s, buffers.of(plot.name, s.column).take()) for s in plot.series]
     n = min(len(rows) for _, rows in taken)
     if n == 0:
@@ -105,10 +115,12 @@ class LivePlots(pn.viewable.Viewer):
     """The live plots of the run on screen; `stream` sends what `LiveRun.drain` collected."""
 
     def __init__(self, live: LiveRun, maxlen: int = POINTS_PER_CURVE,
-                 plots: tuple[LivePlot, ...] = LIVE_PLOTS, **params: Any) -> None:
+                 plots: tuple[LivePlot, ...] = LIVE_PLOTS, controls: Any = None,
+                 **params: Any) -> None:
         super().__init__(**params)
         load_backend()
         self.live, self.maxlen, self.plots = live, maxlen, plots
+        self.controls = controls  # shown between the speedup line and the plots (a run's actions)
         self.cores = machine_cores()
         self.panes = {plot.name: pn.pane.HoloViews(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10,
                                                    linked_axes=False, min_width=MIN_PLOT_WIDTH,
@@ -129,7 +141,15 @@ class LivePlots(pn.viewable.Viewer):
         self._build(live.buffers.ranks, every=True)
         # The old run's curves go the moment a new run replaces it, not at the next flush.
         pn.bind(lambda _: self._new_run(), live.param.generation, watch=True)
+        # An elastic run shows its workers present where a run of fixed N shows its speedup.
+        pn.bind(self._show_kind, live.param.config, watch=True)
+        self._show_kind(live.config)
         self._show_speedup()
+
+    def _show_kind(self, config: dict[str, Any]) -> None:
+        self.elastic = is_elastic(config)
+        for plot in self.plots:
+            self.panes[plot.name].visible = plot.shown(self.elastic)
 
     def _new_run(self) -> None:
         self._generation = self.live.generation
@@ -168,7 +188,7 @@ class LivePlots(pn.viewable.Viewer):
     def __panel__(self) -> pn.Column:
         """The speedup line, then the plots in LIVE_PLOTS' order, three to a row where they fit
         (wrapping where they do not)."""
-        return pn.Column(self.speedup_line,
+        return pn.Column(self.speedup_line, *([self.controls] if self.controls is not None else []),
                          pn.FlexBox(*self.panes.values(), flex_wrap="wrap", sizing_mode="stretch_width"),
                          sizing_mode="stretch_width")
 
@@ -183,7 +203,8 @@ class LivePlots(pn.viewable.Viewer):
             for plot in self.plots:
                 if plot.draw == SPEEDUP:
                     self.figures[plot.name].show(speedup, (measured.cores if measured else 0) or self.cores)
-        text = speedup_text(speedup, self.cores)
+        text = (elastic_text(self.live.buffers.workers) if self.elastic
+                else speedup_text(speedup, self.cores))
         if text != self.speedup_line.object:
             self.speedup_line.object = text
 
@@ -212,7 +233,8 @@ class LivePlots(pn.viewable.Viewer):
             return 0
         sent = 0
         for plot in self.plots:
-            if plot.feed is not None and (rows := rows_of(plot, self.live.buffers)) is not None:
+            if ((plot.feed is not None or plot.draw == WORKERS)
+                    and (rows := rows_of(plot, self.live.buffers)) is not None):
                 self.figures[plot.name].stream(rows)
                 sent += len(rows)
         self._show_speedup()

@@ -80,6 +80,12 @@ def count_axis() -> dict[str, Any]:
             "xformatter": NumeralTickFormatter(format="0.[0]a")}
 
 
+def counts(figure: Any) -> None:
+    """A bokeh figure's y axis for a count from 0 (workers): whole numbers only."""
+    figure.yaxis.ticker = BasicTicker(min_interval=1, num_minor_ticks=0, desired_num_ticks=4)
+    figure.y_range.start = 0
+
+
 ACCURACY_RANGE = (0, 100)  # frame accuracy in %, on its whole scale so runs compare by eye
 
 

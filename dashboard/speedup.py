@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dashboard.buffers import RunBuffers
+from dashboard.membership import Workers
 from labavg.base.machine import usable_cores
 from labavg.base.errors import UserError
 from labavg.jobs.run_json import RunSummary, as_summary
@@ -104,6 +105,17 @@ def live_speedup(buffers: RunBuffers, config: TrainConfig | None,
         note = ("Measuring: rank 0 trains a few minibatches alone at a few averaging rounds "
                 "spread over the run; the first pair gives the speedup.")
     return RunSpeedup(measured=measured, K=k, predicted=prediction(costs, k), note=note)
+
+
+def elastic_text(workers: Workers) -> str:
+    """The speedup line of an elastic run: how N changed, and why there is no speedup (no
+    speedup pairs are taken in an elastic run: labavg.training.rank)."""
+    why = ("speedup pairs are not taken in elastic runs (a pair times rank 0 alone against a "
+           "step of all N workers, and N may change between the two); runs of fixed N measure it.")
+    if workers.changes:
+        return f"**{workers.text()}**: {why}"
+    n = workers.size if workers.size is not None else workers.launch
+    return f"**Speedup: -** {n} workers so far, N changes if one is lost or joins: {why}"
 
 
 def speedup_note(summary: RunSummary | None) -> str | None:
