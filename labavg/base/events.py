@@ -170,6 +170,9 @@ class RunFinished(Event):
     worker_steps: tuple[int, ...] = ()
     worker_counts: tuple[int, ...] = ()
     members: tuple[int, ...] = ()
+    # A run resumed on fewer ranks (labavg.training.resume_layout): the frames of the lost
+    # ranks' shards left untrained for the rest of the epoch they were lost in. None otherwise.
+    frames_untrained: int | None = None
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         figure = figure or out / "regime-map.png"
     path = reproduce(out, experiments=experiments, yesno=Path(args.yesno) if args.yesno else None,
                      report=report, figure=figure, parallel=args.parallel, mpi=not args.no_mpi,
-                     train=not args.report_only, command=command)
+                     train=not args.report_only, command=command,
+                     only=None if args.only is None else tuple(args.only.split(",")))
     print(f"wrote {path}")
     return 0
 

@@ -168,6 +168,9 @@ def _add_reproduce_parser(sub) -> None:
                      "the report)")
     rep.add_argument("--parallel", type=int, default=2, help="sweeps run at once (default 2)")
     rep.add_argument("--no-mpi", action="store_true", help="skip the 1 vs 2 MPI ranks measurement")
+    rep.add_argument("--only", metavar="NAME,...",
+                     help="train only these experiments (paper, regime, regime-variables, explain, "
+                     "beyond, yesno, asterisk, mpi, elastic); the report still has every one")
     rep.add_argument("--report-only", action="store_true",
                      help="train nothing: remake the report, figure and results file from the runs "
                      "finished so far (while the sweeps run elsewhere)")

@@ -51,7 +51,8 @@ LOCK_HELD_ENV = "LABAVG_RUN_DIR_LOCKED"
 
 # Settings a resume may change: none of them changes what is computed (inproc and mpi are
 # bitwise the same; a fault is injected once). `ranks` is not among them: it changes the
-# sharding and, through lr_scaling, the learning rate.
+# sharding and, through lr_scaling, the learning rate; a resume may only lower it, as an
+# elastic run loses workers (labavg.training.resume_layout; check_resume_config).
 RESUME_FREE_KEYS = ("out", "backend", "device", "threads", "checkpoint_every", "log_every",
                     "tensorboard", "watchdog_seconds", "inject_fault", "speedup_pairs")
 
@@ -126,17 +127,24 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig, checkpoint_ranks: int) 
     stored = _in_force(config_from_dict(saved, f"checkpoint {step}") if isinstance(saved, dict)
                        else load_config_of(run_dir))
     wanted = _in_force(cfg)
+    fewer = cfg.ranks < checkpoint_ranks
     changed = [key for key in _leaves(wanted)
-               if key.split(".")[0] not in RESUME_FREE_KEYS and _get(stored, key) != _get(wanted, key)]
+               if key.split(".")[0] not in RESUME_FREE_KEYS + (("ranks",) if fewer else ())
+               and _get(stored, key) != _get(wanted, key)]
     if changed:
         shown = ", ".join(f"{k} = {_get(stored, k)!r} -> {_get(wanted, k)!r}" for k in changed[:4])
         more = f" (and {len(changed) - 4} more)" if len(changed) > 4 else ""
         raise UserError(
             f"--resume: {run_dir} was trained with other settings: {shown}{more}; a resume keeps "
             f"them (only {', '.join(k for k in RESUME_FREE_KEYS if k != 'out')} may change)")
-    if checkpoint_ranks != cfg.ranks:
+    if checkpoint_ranks < cfg.ranks:
         raise UserError(f"--resume: the checkpoint of {run_dir} holds {checkpoint_ranks} ranks but "
-                        f"the run has ranks = {cfg.ranks}")
+                        f"the run has ranks = {cfg.ranks}; a resume goes on with as many ranks or "
+                        f"fewer (1..{checkpoint_ranks}), never more")
+    if fewer and cfg.on_rank_loss == "continue":
+        raise UserError(f"--resume: ranks = {checkpoint_ranks} -> {cfg.ranks} on the elastic run "
+                        f"{run_dir} (on_rank_loss = \"continue\"): resume it on its "
+                        f"{checkpoint_ranks} ranks; a resume on fewer is for runs that stop")
 
 
 def _in_force(cfg: TrainConfig) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
     # The load (1-minute average) the speedup was measured under, beside it in the summary.
     load_start = os.getloadavg()[0]
     # A resumed run's speedup counts the pairs measured before it was interrupted too.
-    pairs = _pairs_logged(run_dir) if resume else []
+    pairs = _pairs_logged(run_dir, cfg.ranks) if resume else []
     try:
         for event in events:
             if event.rank not in logs:
@@ -209,12 +209,17 @@ def _throw_into(events: Iterator[Event], exc: Exception) -> None:
             raise
 
 
-def _pairs_logged(run_dir: Path) -> list[tuple[float, float]]:
-    """The speedup pairs already in the run's event log (of its part before a resume)."""
-    tail, pairs = EventTail(run_dir / EVENTS), []
+def _pairs_logged(run_dir: Path, size: int) -> list[tuple[float, float]]:
+    """The speedup pairs already in the run's event log (of its part before a resume) measured
+    on `size` ranks: a resume on fewer ranks (labavg.training.resume_layout) drops those of
+    the ranks it had before, which are of another N."""
+    tail, pairs, measured_on = EventTail(run_dir / EVENTS), [], None
     while chunk := tail.read():
-        pairs += [(e.solo_step_seconds, e.parallel_step_seconds) for e in map(event_from_dict, chunk)
-                  if isinstance(e, SpeedupPair) and e.rank == 0]
+        for e in map(event_from_dict, chunk):
+            if isinstance(e, RunStarted) and e.rank == 0:
+                measured_on = e.size
+            elif isinstance(e, SpeedupPair) and e.rank == 0 and measured_on == size:
+                pairs.append((e.solo_step_seconds, e.parallel_step_seconds))
     return pairs
 
 

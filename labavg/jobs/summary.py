@@ -101,6 +101,8 @@ class RunEnd:
     @property
     def frames_untrained(self) -> int | None:
         """What a lost worker's shard would have trained while it was away (its place empty)."""
+        if self.finished.frames_untrained is not None:  # resumed on fewer ranks
+            return self.finished.frames_untrained
         if not self.finished.worker_counts:
             return None
         return self.finished.step * self.started.size * self.config.minibatch \

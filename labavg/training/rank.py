@@ -32,7 +32,7 @@ from labavg.base.machine import usable_cores
 from labavg.comm.base import Communicator
 from labavg.comm.watchdog import beating, busy, progress as made_progress
 from labavg.data.base import UtteranceSource
-from labavg.data.frames import FrameBatches, cv_batches, split_cv, steps_per_epoch
+from labavg.data.frames import FrameBatches, cv_batches, split_cv
 from labavg.optim.base import Optimizer
 from labavg.optim.factory import make_optimizer
 from labavg.training import rank_state
@@ -41,6 +41,7 @@ from labavg.training.membership import (Membership, admit, elastic_load, elastic
                                         follow_members)
 from labavg.training.model import DNN, count_parameters
 from labavg.training.rank_state import Progress
+from labavg.training.resume_layout import Layout, resized
 from labavg.training.schedules import exponential_lr, newbob_start, newbob_step, scale_lr
 from labavg.training.speedup_probe import (SpeedupProbe, close_pair, make_probe, remember,
                                            run_cores, start_pair)
@@ -74,7 +75,7 @@ def train_rank(
     if run.joining:
         yield from _join(run)
     while run.progress.step < run.total_steps and not run.stopped:
-        epoch, start = divmod(run.progress.step, run.num_steps)
+        epoch, start = run.layout.position(run.progress.step)
         reached_end = yield from _train_epoch(run, epoch, start)
         if not reached_end:  # stopped on request, mid-epoch or at its end
             break
@@ -93,8 +94,7 @@ class _RankRun:
     run_dir: Path | None
     train_keys: list[str]
     cv_keys: list[str]
-    batches: FrameBatches
-    num_steps: int  # minibatches per epoch
+    layout: Layout  # each epoch's split of the data (labavg.training.resume_layout)
     total_steps: int
     model: DNN
     flat: torch.Tensor  # every parameter of `model`, as views into this one buffer
@@ -134,12 +134,9 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
     fault = parse_fault(cfg.inject_fault) if cfg.inject_fault else None
     # Data: the same CV split and shards on every rank, computed locally.
     train_keys, cv_keys = split_cv(source.keys, cfg.data.cv_fraction, seed=cfg.seed)
-    num_steps = steps_per_epoch(train_keys, source.num_frames, comm.size, cfg.minibatch)
     batches = FrameBatches(
         source, train_keys, context=cfg.data.context, minibatch=cfg.minibatch,
-        buffer_frames=cfg.data.buffer_frames, seed=cfg.seed, rank=comm.rank, size=comm.size,
-        num_steps=num_steps,
-    )
+        buffer_frames=cfg.data.buffer_frames, seed=cfg.seed, rank=comm.rank, size=comm.size)
     # A worker joining an elastic run receives every state at its first round (_join): until
     # then it takes part in no collective.
     joining = getattr(comm, "joining", False)
@@ -156,9 +153,11 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         yield from pretrain(model, cfg, source, train_keys, comm, device)
         broadcast_parameters(flat, comm)  # pretrained layers are averaged; make them exact
     progress = Progress() if restored is None else restored.progress
+    progress.resized = resized(progress.resized, progress.step, restored, comm.size)
+    layout = Layout(batches, train_keys, progress.resized, cfg.epochs)
     run = _RankRun(
-        comm, cfg, source, device, run_dir, train_keys, cv_keys, batches, num_steps,
-        total_steps=num_steps * cfg.epochs, model=model, flat=flat, optimizer=optimizer,
+        comm, cfg, source, device, run_dir, train_keys, cv_keys, layout,
+        total_steps=layout.total_steps, model=model, flat=flat, optimizer=optimizer,
         averager=None, lr0=scale_lr(cfg.lr, comm.size, cfg.lr_scaling),  # the paper's N x lr
         lr_final=scale_lr(cfg.final_learning_rate(), comm.size, cfg.lr_scaling),
         progress=progress, wall_start=wall_start, wall_before=progress.wall_seconds, fault=fault,
@@ -203,7 +202,7 @@ def _run_started(run: _RankRun) -> RunStarted:
         rank=comm.rank, size=comm.size, pid=os.getpid(), host=socket.gethostname(),
         device=str(run.device), num_params=count_parameters(run.model),
         num_pdfs=run.source.num_pdfs, input_dim=input_dim(run.model),
-        steps_per_epoch=run.num_steps, train_utterances=len(run.train_keys),
+        steps_per_epoch=run.layout.steps_per_epoch(), train_utterances=len(run.train_keys),
         cv_utterances=len(run.cv_keys), average_every=cfg.effective_average_every(),
         effective_lr=run.lr0, start_step=run.progress.step, cores=run.cores, backend=cfg.backend,
         load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -219,7 +218,7 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
     to its end without a stop request, False when it stopped on request."""
     run.epoch_started = time.perf_counter()
     _keep_accepted_model(run, start)
-    for x, y in run.batches.epoch(epoch, start_step=start):
+    for x, y in run.layout.batches(epoch).epoch(epoch, start_step=start):
         yield from _train_minibatch(run, epoch, x, y)
         if (yield from _round_if_due(run)):
             break  # an epoch's end saves in _end_epoch
@@ -231,7 +230,7 @@ def _round_if_due(run: _RankRun, admitted: bool = False) -> Iterator[Event]:
     checkpoint when one is due; returns (through `yield from`) whether the epoch ends here,
     at its end or on a stop request. `admitted`: an elastic joiner's admission is done."""
     step = run.progress.step
-    end_of_epoch = step % run.num_steps == 0
+    end_of_epoch = run.layout.epoch_ends(step)
     scope = run.averager.due(step, end_of_epoch)
     if scope is None:
         return False
@@ -259,7 +258,7 @@ def _join(run: _RankRun) -> Iterator[Event]:
     follow_members(run)
     run.epoch_started = time.perf_counter()
     if (yield from _round_if_due(run, admitted=True)) and not run.stopped:
-        yield from _end_epoch(run, (run.progress.step - 1) // run.num_steps)
+        yield from _end_epoch(run, run.layout.position(run.progress.step - 1)[0])
 
 
 def _keep_accepted_model(run: _RankRun, start: int) -> None:
@@ -380,14 +379,15 @@ def _run_finished(run: _RankRun) -> RunFinished:
         wall_seconds=run.wall_before + time.perf_counter() - run.wall_start,
         compute_seconds=progress.compute_seconds, comm_seconds=progress.comm_seconds,
         averaging_rounds=progress.rounds,
-        frames_trained=run.cfg.minibatch * (progress.step * run.comm.size
+        frames_trained=run.cfg.minibatch * (run.layout.worker_steps(progress.step)
                                             if run.membership is None
                                             else run.membership.worker_steps(progress.step)),
         cv_loss=run.cv_loss, cv_frame_accuracy=run.cv_acc, stopped=run.stopped,
         bytes_sent=progress.bytes_sent, node_rounds=progress.node_rounds,
         node_bytes_sent=progress.node_bytes_sent, overlap_seconds=progress.overlap_seconds,
         overlap_bytes_sent=progress.overlap_bytes_sent, wait_seconds=progress.wait_seconds,
-        **({} if run.membership is None else {
+        **(run.layout.finished_fields(progress.step, run.cfg.minibatch, run.comm.size)
+           if run.membership is None else {
             "worker_steps": tuple(run.membership.steps),
             "worker_counts": tuple(run.membership.counts),
             "members": tuple(run.membership.members)}),

@@ -44,6 +44,8 @@ class Progress:
         default_factory=lambda: torch.zeros(3, dtype=torch.float64)
     )
     newbob: NewbobState | None = None
+    # [step, from N, to M] of each resume on fewer ranks (labavg.training.resume_layout)
+    resized: list[list[int]] = field(default_factory=list)
 
     def add_round(self, stats: AverageStats) -> None:
         """Count one averaging round and what it measured."""
@@ -76,6 +78,7 @@ class Restored:
     progress: Progress
     accepted_params: torch.Tensor | None  # Newbob's accepted model, when taken mid-epoch
     averager_state: dict[str, Any] | None  # None: a checkpoint from before averagers had one
+    size: int = 0  # the ranks the checkpoint holds
 
 
 def restore(run_dir: Path, rank: int, flat: torch.Tensor, optimizer: Optimizer) -> Restored | None:
@@ -92,7 +95,7 @@ def restore(run_dir: Path, rank: int, flat: torch.Tensor, optimizer: Optimizer) 
     flat.copy_(state["params"].to(flat.device))
     optimizer.load_state_dict(state["optimizer"])
     return Restored(Progress.from_state_dict(state["progress"]), state.get("accepted_params"),
-                    state.get("averager"))
+                    state.get("averager"), found[1])
 
 
 def save(run_dir: Path, comm: Communicator, progress: Progress, flat: torch.Tensor,

@@ -28,11 +28,12 @@ from typing import Any, TextIO
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.base.paths import require_writable
-from labavg.studies.reproduction import beyond, regime
+from labavg.studies.reproduction import beyond, elastic, regime
 from labavg.studies.reproduction.paper import base_settings
 from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
-from labavg.studies.reproduction.results import (RESULTS_FILE, Run, collect, read_results_file,
-                                                 select, with_recorded, write_results_file)
+from labavg.studies.reproduction.results import (RESULTS_FILE, SWEEPS, Run, collect,
+                                                 read_results_file, select, with_recorded,
+                                                 write_results_file)
 from labavg.studies.reproduction.speedup import MPI_POINTS
 from labavg.studies.reproduction.sweep_files import Experiments
 from labavg.studies.sweep import Sweep, load_sweep, make_corpora, run_sweep
@@ -244,13 +245,21 @@ def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,
 def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,
               report: Path = Path("REPRODUCTION.md"), figure: Path | None = None,
               parallel: int = 2, mpi: bool = True, results: Path | None = None,
-              train: bool = True, command: str = "labavg reproduce") -> Path:
+              train: bool = True, command: str = "labavg reproduce",
+              only: tuple[str, ...] | None = None) -> Path:
     """Run (or resume) every experiment, then write the report and the figure; return its path.
 
-    With `train` False nothing is trained: the report is remade from the runs there are."""
+    With `train` False nothing is trained: the report is remade from the runs there are.
+    `only`: the experiments to train (sweep names, "mpi", "elastic"); the others are reported
+    from their runs or the results file."""
     start = time.perf_counter()
     exp = Experiments(experiments)
     jobs = _jobs(exp, out, yesno)
+    unknown = sorted(set(only or ()) - set(SWEEPS))
+    if unknown:
+        raise UserError(f"--only {','.join(only)}: no experiment {unknown[0]!r} (choose from "
+                        f"{', '.join(SWEEPS)})")
+    wanted = lambda name: only is None or name in only  # noqa: E731
     results = results if results is not None else exp.directory / RESULTS_FILE
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
     # Before hours of training: its runs' directory, and every output the report and its
@@ -260,12 +269,14 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     for path, key in ((report, "--report"), (figure, "--figure"), (results, "results file")):
         require_writable(path, key, "an output", file=True)
     if train:
-        jobs += _real_speech_job(exp, out)
+        jobs = [job for job in jobs + _real_speech_job(exp, out) if wanted(job[0])]
         for _, file, _, cwd in jobs:  # first, one by one: sweeps running at once may share one
             make_corpora(load_sweep(file) if cwd is None else _load_in(file, cwd), cwd)
         run_sweeps(jobs, parallel, results)
-        if mpi:
+        if mpi and wanted("mpi"):
             measure_mpi(exp.paper, out / "mpi")
+        if exp.elastic.is_file() and wanted("elastic"):
+            elastic.run_all(exp.elastic, out / "elastic")
     beyond_figure = figure.with_name("beyond-the-paper.png")
     runs = with_recorded(collect(out), results)
     write_results_file(runs, results)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from labavg.studies.reproduction import beyond, real_speech, regime
+from labavg.studies.reproduction import beyond, elastic, real_speech, regime
 from labavg.studies.reproduction.paper import PROBES, base_settings
 from labavg.studies.reproduction.paper_tables import (comparison_sections, headline_table,
                                                       probe_section, schedule_trace, yesno_section)
@@ -71,5 +71,7 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
     parts += ["", "## Speedup", ""] + speedup_section(runs.get("mpi", []))
     if runs.get("beyond"):
         parts += [""] + beyond.section(runs["beyond"], experiments.beyond, beyond_figure, report)
+    if runs.get("elastic"):
+        parts += [""] + elastic.section(runs["elastic"], experiments.elastic)
     return "\n".join(parts) + "\n"
 

@@ -103,7 +103,8 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
             "max_change_median_scale": statistics.median(scales) if scales else None}
 
 
-SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond", "asterisk")
+SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond", "asterisk",
+          "elastic")
 # What a results file keeps of each run's settings: enough to select and to describe it.
 _KEPT = ("ranks", "averaging.average_every", "optimizer", "pretrain", "schedule", "minibatch",
          "seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",

@@ -61,6 +61,10 @@ class Experiments:
     def asterisk(self) -> Path:
         return self.directory / "asterisk.toml"
 
+    @property
+    def elastic(self) -> Path:
+        return self.directory / "elastic.toml"
+
 
 def tiny_sweep(spec: dict[str, Any], corpora: list[dict[str, Any]],
                ranks: list[int] | None = None) -> dict[str, Any]:
