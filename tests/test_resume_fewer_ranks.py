@@ -204,7 +204,7 @@ def test_a_4_rank_run_resumed_on_3(corpus, tmp_path):
     assert all(e["members"] == [0, 1, 2] for e in finished)
     restarted = [e for e in events if e["type"] == "run_started" and e["start_step"] == 10]
     assert {e["size"] for e in restarted} == {3}
-    assert {e["effective_lr"] for e in restarted} == {pytest.approx(3 * 0.008)}
+    assert all(e["effective_lr"] == pytest.approx(3 * 0.008) for e in restarted)
     model = torch.load(run / "final.pt", weights_only=True)
     tensors = [v for v in model.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
