@@ -208,3 +208,11 @@ def test_a_4_rank_run_resumed_on_3(corpus, tmp_path):
     model = torch.load(run / "final.pt", weights_only=True)
     tensors = [v for v in model.values() if isinstance(v, torch.Tensor)]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
+
+
+def test_reproduce_only_names_its_experiments(tmp_path):
+    from labavg.studies.reproduction.pipeline import reproduce
+
+    with pytest.raises(UserError, match="--only elastic,nope: no experiment 'nope'"):
+        reproduce(tmp_path / "out", only=("elastic", "nope"))
+    assert not (tmp_path / "out").exists()

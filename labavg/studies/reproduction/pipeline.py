@@ -253,12 +253,12 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     `only`: the experiments to train (sweep names, "mpi", "elastic"); the others are reported
     from their runs or the results file."""
     start = time.perf_counter()
-    exp = Experiments(experiments)
-    jobs = _jobs(exp, out, yesno)
     unknown = sorted(set(only or ()) - set(SWEEPS))
     if unknown:
         raise UserError(f"--only {','.join(only)}: no experiment {unknown[0]!r} (choose from "
                         f"{', '.join(SWEEPS)})")
+    exp = Experiments(experiments)
+    jobs = _jobs(exp, out, yesno)
     wanted = lambda name: only is None or name in only  # noqa: E731
     results = results if results is not None else exp.directory / RESULTS_FILE
     figure = figure if figure is not None else report.parent / "docs" / "figures" / "regime-map.png"
