@@ -22,7 +22,11 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=-1, help="only this rank dies (all if -1)")
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--pause", type=float, default=0.05)
-    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--min-workers", type=int, default=int(os.environ.get("LABAVG_MIN_WORKERS", "1")))
+    p.add_argument("--timeout", type=float, default=5.0, help="round_timeout_s")
+    p.add_argument("--die-on-heal", metavar="FILE",
+                   help="the first worker asked for its state by a joiner after the start "
+                        "(the one that makes FILE) dies there: a loss during a heal")
     p.add_argument("--join", action="store_true",
                    default=os.environ.get("LABAVG_JOINING") == "1")
     p.add_argument("--same", action="store_true", help="every worker moves alike")
@@ -30,11 +34,21 @@ def main() -> None:
                    help="each round: an admission round, then two means of other sizes")
     a = p.parse_args()
     comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
-                               timeout_s=5, quorum_timeout_s=10)
+                               timeout_s=a.timeout, quorum_timeout_s=10)
     # The "model": every worker moves its own way between rounds, as local SGD does.
     state = {"x": torch.zeros(6, dtype=torch.float64), "round": torch.zeros((), dtype=torch.int64),
              "momentum": torch.zeros(6, dtype=torch.float64)}
-    comm.set_state(lambda: state, lambda s: [state[k].copy_(v) for k, v in s.items()])
+
+    def serve():
+        if a.die_on_heal and int(state["round"]) > 0:  # not a late starter's heal in gather()
+            try:
+                open(a.die_on_heal, "x").close()
+            except FileExistsError:
+                return state
+            os._exit(1)
+        return state
+
+    comm.set_state(serve, lambda s: [state[k].copy_(v) for k, v in s.items()])
     if not a.join:
         comm.gather(30)
     while int(state["round"]) < a.rounds:

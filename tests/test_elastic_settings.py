@@ -63,3 +63,21 @@ def test_a_join_takes_no_settings_of_its_own(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == ("labavg: error: --join takes the running job's own settings: drop "
                            "--lr, --set\n")
+
+
+def test_a_join_to_a_job_whose_launcher_was_killed_names_it(tmp_path):
+    """SIGKILL leaves the launcher's state file behind: neither a join nor a loss acts on the
+    pids in it, which other processes may hold by now."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / ".elastic.json").write_text(json.dumps(
+        {"lighthouse": "http://127.0.0.1:1", "launcher": dead.pid, "size": 2,
+         "workers": {"0": dead.pid}, "join_socket": str(tmp_path / "gone.sock")}))
+    for act in (join, lose):
+        with pytest.raises(UserError) as err:
+            act(run)
+        assert str(err.value) == (f"{run}: the elastic job's launcher (pid {dead.pid}) has "
+                                  f"ended: there is nothing to join")

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from labavg.base.errors import UserError
 from labavg.comm.base import Done
 from labavg.comm.buffers import check_buffer, check_gather, check_root
 
@@ -57,24 +58,30 @@ class Round:
 def _quiet_torchft() -> None:
     """torchft's Rust side logs every quorum at INFO on stderr, which would bury labavg's own
     lines; its warnings and errors still show. A RUST_LOG the user set is kept. Its Python side
-    warns of a GPU trace recorder on every reconfiguration, CPU or not: errors only."""
+    warns of a GPU trace recorder on every reconfiguration, CPU or not."""
     import logging
 
     os.environ.setdefault("RUST_LOG", "warn")
-    logging.getLogger("torchft").setLevel(logging.ERROR)
+    # Its Manager logs every failed collective with a traceback (a lost worker's "Connection
+    # reset by peer"); such a round is run again among the survivors, and a worker that gives up
+    # says why in labavg's one line (TooFewWorkers), so those logs are only noise beside it.
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
 
 
 class Lighthouse:
-    """The job's quorum server (torchft's lighthouse), on `host` at a free port."""
+    """The job's quorum server (torchft's lighthouse), on `host` at `port` (0: a free one)."""
 
     def __init__(self, *, min_workers: int = 1, heartbeat_ms: int = 1000,
-                 join_timeout_ms: int = 2000, host: str = "127.0.0.1"):
+                 join_timeout_ms: int = 2000, host: str = "127.0.0.1", port: int = 0):
         _quiet_torchft()
         from torchft._torchft import LighthouseServer
 
-        self._server = LighthouseServer(bind=f"{host}:0", min_replicas=min_workers,
-                                        join_timeout_ms=join_timeout_ms,
-                                        heartbeat_timeout_ms=heartbeat_ms)
+        try:
+            self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=min_workers,
+                                            join_timeout_ms=join_timeout_ms,
+                                            heartbeat_timeout_ms=heartbeat_ms)
+        except RuntimeError as exc:  # the Rust side's bind error, e.g. "Address already in use"
+            raise UserError(f"the lighthouse cannot listen on {host}:{port}: {exc}") from None
         # The server names itself by the machine's host name; the workers dial where it listens.
         port = urlsplit(self._server.address()).port
         self.address = f"http://{host}:{port}"
@@ -96,6 +103,7 @@ class ElasticCommunicator:
         from labavg.comm.torch_dist import loopback_store
 
         self.rank, self.launch_size, self.local_rank = rank, launch_size, 0
+        self._min_workers, self._quorum_timeout_s = min_workers, quorum_timeout_s
         self.joining = joining  # started to join a running job: its first collective is admit()
         self.device = torch.device(device)
         self._state: Callable[[], Any] = dict
@@ -175,8 +183,11 @@ class ElasticCommunicator:
             self._manager.start_quorum(shrink_only=not admit)
             try:
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
-            except TimeoutError as exc:
-                raise TooFewWorkers(str(exc)) from exc
+            except TimeoutError:
+                raise TooFewWorkers(
+                    f"fewer than elastic.min_workers = {self._min_workers} workers were present "
+                    f"for elastic.quorum_timeout_s = {self._quorum_timeout_s:g} s (the last round "
+                    f"had ranks {list(self.members)} of {self.launch_size})") from None
             if not self._manager.should_commit():
                 continue  # a member was lost during the round: again, among the survivors
             present = work[buf.numel():].round().to(torch.int64)

@@ -177,11 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--heartbeat-ms", type=int, default=1000)
     parser.add_argument("--join-timeout-ms", type=int, default=2000)
+    parser.add_argument("--lighthouse-port", type=int, default=0,
+                        help="where the lighthouse listens on 127.0.0.1 (0: a free port)")
     parser.add_argument("--state-file", type=Path)
     parser.add_argument("--join-socket", type=Path)
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     worker_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    from labavg.base.errors import UserError
     from labavg.comm.elastic import Lighthouse
 
     private = None
@@ -190,24 +193,35 @@ def main(argv: list[str] | None = None) -> int:
         # mkdtemp's folder is this user's alone (mode 0700).
         private = Path(tempfile.mkdtemp(prefix="labavg-join-"))
         args.join_socket = private / "join.sock"
-
-    lighthouse = Lighthouse(min_workers=args.min_workers, heartbeat_ms=args.heartbeat_ms,
-                            join_timeout_ms=args.join_timeout_ms)
-    job = ElasticJob(args.nproc, worker_argv, lighthouse.address, min_workers=args.min_workers,
-                     state_file=args.state_file, join_socket=args.join_socket)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda s, _f: job.inbox.put(("signal", s)))
-    server = _serve_joins(args.join_socket, job.inbox)
+    server = lighthouse = None
     try:
+        lighthouse = Lighthouse(min_workers=args.min_workers, heartbeat_ms=args.heartbeat_ms,
+                                join_timeout_ms=args.join_timeout_ms, port=args.lighthouse_port)
+        job = ElasticJob(args.nproc, worker_argv, lighthouse.address,
+                         min_workers=args.min_workers, state_file=args.state_file,
+                         join_socket=args.join_socket)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda s, _f: job.inbox.put(("signal", s)))
+        try:
+            server = _serve_joins(args.join_socket, job.inbox)
+        except OSError as exc:
+            raise UserError(f"--join-socket {args.join_socket}: cannot listen there: "
+                            f"{exc.strerror or exc}") from None
         return job.run()
+    except UserError as exc:  # before any worker started: nothing to end but what is here
+        flag = f"--lighthouse-port {args.lighthouse_port}: " if lighthouse is None else ""
+        print(f"labavg: error: {flag}{exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
-        server.close()
-        args.join_socket.unlink(missing_ok=True)
+        if server is not None:
+            server.close()
+            args.join_socket.unlink(missing_ok=True)
         if private is not None:
             private.rmdir()
         if args.state_file is not None:
             args.state_file.unlink(missing_ok=True)
-        lighthouse.close()
+        if lighthouse is not None:
+            lighthouse.close()
 
 
 if __name__ == "__main__":

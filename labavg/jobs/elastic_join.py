@@ -44,7 +44,19 @@ def elastic_state(run_dir: str | Path) -> dict:
         raise UserError(f"cannot read {path}: {exc}") from None
     if not isinstance(state, dict) or not isinstance(state.get("workers"), dict):
         raise UserError(f"{path}: not an elastic job's state file")
+    launcher = state.get("launcher")
+    # A launcher killed with SIGKILL leaves its state file behind; its pids may be reused since.
+    if not isinstance(launcher, int) or not _is_running(launcher):
+        raise UserError(f"{run_dir}: the elastic job's launcher (pid {launcher}) has ended: "
+                        f"there is nothing to join")
     return state
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _why_no_job(run_dir: Path) -> str:
@@ -91,15 +103,18 @@ def join(run_dir: str | Path, *, timeout: float = 120.0) -> Joined:
 def lose(run_dir: str | Path, rank: int | None = None) -> int:
     """Kill one worker of the running elastic job (the highest rank unless `rank` is given),
     as a lost machine would be: SIGKILL to its session. Returns the rank."""
-    workers = {int(r): int(p) for r, p in elastic_state(run_dir)["workers"].items()}
+    state = elastic_state(run_dir)
+    workers = {int(r): int(p) for r, p in state["workers"].items()}
     if not workers:
         raise UserError(f"{run_dir}: no worker is running")
     rank = max(workers) if rank is None else rank
     if rank not in workers:
         raise UserError(f"{run_dir}: rank {rank} is not running (running: {sorted(workers)})")
     try:
-        os.killpg(workers[rank], signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        # The launcher's child, or a process that took the pid of one that ended since.
+        if psutil.Process(workers[rank]).ppid() == state["launcher"]:
+            os.killpg(workers[rank], signal.SIGKILL)
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        pass  # it ended on its own meanwhile
     return rank
 
