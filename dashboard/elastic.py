@@ -93,6 +93,8 @@ class WorkerControls(param.Parameterized):
             self._generation = self.live.generation
             self._killed = None
             self.param.update(lose_message="", add_message="", joining=False)
+        if not self.live.running and not self.joining and (self.lose_message or self.add_message):
+            self.param.update(lose_message="", add_message="")  # it has ended: say so instead
         cfg = self._elastic_run()
         elastic = cfg is not None
         workers = self._running() if elastic and self.live.running else None
@@ -133,8 +135,7 @@ class WorkerControls(param.Parameterized):
             if rank in change.lost:
                 self._killed = None
                 self.lose_message = (f"Rank {rank} lost at step {change.step}: {change.after} "
-                                     f"worker{'s' if change.after != 1 else ''} go on (the first "
-                                     f"round without it {change.time - when:.1f} s after the kill).")
+                                     f"go on, {change.time - when:.1f} s after the kill.")
                 return
 
     def _take_outcome(self) -> None:
@@ -149,8 +150,8 @@ class WorkerControls(param.Parameterized):
             self.add_message = f"⚠ {one_line(result)}"
             return
         seconds = time.time() - self._asked
-        self.add_message = (f"Rank {result.rank} joined (pid {result.pid}), {seconds:.1f} s after "
-                            f"Add: it healed from a survivor and trains from the next round.")
+        self.add_message = (f"Rank {result.rank} joined (pid {result.pid}), healed from a "
+                            f"survivor {seconds:.1f} s after Add.")
 
     # -- the buttons -----------------------------------------------------------------------
 

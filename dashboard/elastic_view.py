@@ -29,27 +29,29 @@ class WorkerButtons(pn.viewable.Viewer):
         super().__init__(**params)
         self.controls = c = controls
         self.lose_button = pn.widgets.Button(
-            label="Lose a worker", color="warning", width=130, margin=(4, 5),
+            label="Lose a worker", color="warning", width=120, margin=(4, 5),
             disabled=pn.bind(lambda why, rank: bool(why) or rank is None,
                              c.param.lose_reason, c.param.rank))
         self.rank_select = pn.widgets.Select(
-            label="", width=90, margin=(4, 5),
+            label="", width=85, margin=(4, 5),
             options=pn.bind(lambda ranks: {f"rank {r}": r for r in ranks[1:]} or {"-": None},
                             c.param.workers),
             value=pn.bind(lambda rank: rank, c.param.rank),
             disabled=pn.bind(lambda why: bool(why), c.param.lose_reason))
         pn.bind(self._choose, self.rank_select.param.value, watch=True)
         self.add_button = pn.widgets.Button(
-            label="Add a worker", color="success", width=130, margin=(4, 5),
+            label="Add a worker", color="success", width=120, margin=(4, 5),
             disabled=pn.bind(bool, c.param.add_reason))
         self.lose_button.on_click(lambda _: c.lose())
         self.add_button.on_click(lambda _: c.add())
         self.lose_line = pn.pane.Markdown(
-            pn.bind(_line, c.param.lose_message, c.param.lose_reason), width=330,
-            margin=(8, 5), styles=_LINE, stylesheets=_SHEET, name="lose-line")
+            pn.bind(_line, c.param.lose_message, c.param.lose_reason),
+            sizing_mode="stretch_width", min_width=150, margin=(8, 5), styles=_LINE,
+            stylesheets=_SHEET, name="lose-line")
         self.add_line = pn.pane.Markdown(
-            pn.bind(_line, c.param.add_message, c.param.add_reason), width=330,
-            margin=(8, 5), styles=_LINE, stylesheets=_SHEET, name="add-line")
+            pn.bind(_line, c.param.add_message, c.param.add_reason),
+            sizing_mode="stretch_width", min_width=150, margin=(8, 5), styles=_LINE,
+            stylesheets=_SHEET, name="add-line")
 
     def _choose(self, rank: int | None) -> None:
         if rank is not None and rank in self.controls.workers:

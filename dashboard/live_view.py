@@ -142,14 +142,18 @@ class LivePlots(pn.viewable.Viewer):
         # The old run's curves go the moment a new run replaces it, not at the next flush.
         pn.bind(lambda _: self._new_run(), live.param.generation, watch=True)
         # An elastic run shows its workers present where a run of fixed N shows its speedup.
+        self.flex = pn.FlexBox(flex_wrap="wrap", sizing_mode="stretch_width")
         pn.bind(self._show_kind, live.param.config, watch=True)
         self._show_kind(live.config)
         self._show_speedup()
 
     def _show_kind(self, config: dict[str, Any]) -> None:
         self.elastic = is_elastic(config)
-        for plot in self.plots:
-            self.panes[plot.name].visible = plot.shown(self.elastic)
+        # The plots' box takes the panes of this kind of run. (Not the panes' `visible`: set
+        # on a bokeh pane on a served page, Panel re-read the figure's stylesheets and raised.)
+        shown = [self.panes[plot.name] for plot in self.plots if plot.shown(self.elastic)]
+        if shown != list(self.flex.objects):
+            self.flex.objects = shown
 
     def _new_run(self) -> None:
         self._generation = self.live.generation
@@ -189,7 +193,7 @@ class LivePlots(pn.viewable.Viewer):
         """The speedup line, then the plots in LIVE_PLOTS' order, three to a row where they fit
         (wrapping where they do not)."""
         return pn.Column(self.speedup_line, *([self.controls] if self.controls is not None else []),
-                         pn.FlexBox(*self.panes.values(), flex_wrap="wrap", sizing_mode="stretch_width"),
+                         self.flex,
                          sizing_mode="stretch_width")
 
     def _show_speedup(self) -> None:

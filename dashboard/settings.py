@@ -174,6 +174,11 @@ class RunSettings(param.Parameterized):
         if runs_dir is not None:
             values["runs_dir"] = runs_dir
         shown = {*CONTROLS.values(), *knob_keys(), *_SET_BY_THE_PAGE}
+        if flat.get("backend") not in BACKEND_LABELS.values():
+            # A run on a backend the page does not start (an elastic run's torch): Start trains
+            # its model on the page's backend, without what only that backend takes (kept,
+            # they refused every Start: on_rank_loss = "continue" needs torch).
+            shown |= {k for k in flat if k == "on_rank_loss" or k.startswith("elastic.")}
         defaults = flatten_config(to_dict(TrainConfig()))
         overrides = {k: v for k, v in flat.items()
                      if k in defaults and k not in shown and v != defaults[k]}

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = REPO / "tests" / "artifacts"
+FIGURES = REPO / "docs" / "figures"  # screenshots the docs show
 BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -822,3 +823,103 @@ def test_an_exported_notebook_typesets_its_equations_offline(tmp_path):
         finally:
             browser.close()
     assert outside == []
+
+
+# The workers present as the page's N plot draws them: the last point of the source that has
+# a "workers" column (dashboard.live_plots' "workers" plot), or null before its first point.
+WORKERS_JS = """
+() => {
+  let last = null;""" + MODELS_JS + """
+  {
+    for (const model of models) {
+      if (model.constructor.__name__ !== "ColumnDataSource") continue;
+      const data = model.data;
+      const get = (k) => data instanceof Map ? data.get(k) : data[k];
+      const n = get("workers");
+      if (n !== undefined && n.length) last = n[n.length - 1];
+    }
+  }
+  return last;
+}
+"""
+
+
+def _left_running(out: Path) -> list[str]:
+    """Processes whose command line names the run directory (launcher, workers)."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(out) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
+                left.append(" ".join(p.info["cmdline"]))
+        except psutil.Error:
+            pass
+    return left
+
+
+def test_an_elastic_run_loses_a_worker_and_gains_one_from_the_page(page, corpus, tmp_path):
+    """A 4-worker elastic run (labavg train, torch, on_rank_loss = "continue") followed from
+    the page: "Lose a worker" kills rank 3 and the N plot drops to 3 with the member_lost;
+    "Add a worker" starts a join and N is 4 again. Saves docs/figures/dashboard-elastic.png."""
+    from support import child_env
+
+    out = tmp_path / "elastic"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "labavg", "train", "--data", str(corpus), "--out", str(out),
+         "--hidden-layers", "2", "--hidden-dim", "64", "--minibatch", "32", "--no-progress",
+         "--speedup-pairs", "0", "--backend", "torch", "--average-every", "5", "--ranks", "4",
+         "--epochs", "400", "--set", 'on_rank_loss="continue"',
+         # A 1 s heartbeat once dropped a live worker beside the killed one here (load 8 on
+         # 2 cores): this test is about the page, not about how soon the others notice.
+         "--set", "elastic.heartbeat_ms=3000"],
+        env=child_env(), stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr").open("w"))
+    try:
+        wait_for(out.is_dir, 60, "the run directory")  # Follow refuses a directory not there
+        box = page.get_by_placeholder("run dir to follow")
+        box.fill(str(out))
+        box.press("Enter")  # the box's value is sent on Enter (or blur), before the click
+        page.get_by_role("button", name="Follow").click()
+        lose = page.get_by_role("button", name="Lose a worker")
+        add = page.get_by_role("button", name="Add a worker")
+        wait_for(lambda: lose.is_visible() and lose.is_enabled(), 120, "Lose a worker to be on")
+        assert add.is_disabled() and page.get_by_text("all 4 workers are running").count()
+        wait_for(lambda: page.evaluate(WORKERS_JS) == 4, 60, "N = 4 in the plot")
+        lose.click()
+        wait_for(lambda: page.evaluate(WORKERS_JS) == 3, 60, "N = 3 in the plot after Lose")
+        lost = [e for e in _read_events(out) if e["type"] == "member_lost"]
+        assert lost and all(e["lost"] == [3] and e["size"] == 3 for e in lost)
+        step = lost[0]["step"]
+        wait_for(lambda: page.get_by_text(f"Rank 3 lost at step {step}").count(), 30,
+                 "the member_lost beside Lose")
+        assert page.get_by_text(f"4 -> 3 workers at step {step} (rank 3 lost)").count()
+        assert page.get_by_text("speedup pairs are not taken in elastic runs").count()
+        wait_for(add.is_enabled, 30, "Add a worker to be on")
+        add.click()
+        wait_for(lambda: page.get_by_text("Rank 3 joined").count(), 120, "the join beside Add")
+        wait_for(lambda: page.evaluate(WORKERS_JS) == 4, 60, "N = 4 in the plot after Add")
+        joined = [e for e in _read_events(out) if e["type"] == "member_joined"]
+        assert joined and all(e["joined"] == [3] and e["size"] == 4 for e in joined)
+        wait_for(lambda: page.get_by_text("3 -> 4 workers at step").count(), 30, "the change line")
+        time.sleep(2)  # a few more steps of every curve for the picture
+        FIGURES.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(FIGURES / "dashboard-elastic.png"))
+        (out / ".stop").touch()  # as Stop would: every worker stops at the next round
+        assert job.wait(120) == 0, (tmp_path / "stderr").read_text()[-2000:]
+        wait_for(lambda: page.get_by_text("the run has ended").count(), 120, "the buttons off")
+        assert lose.is_disabled() and add.is_disabled()
+    finally:
+        if job.poll() is None:
+            job.terminate()
+            job.wait(60)
+    assert wait_for(lambda: not _left_running(out), 30, "no process of the run left")
+
+
+def _read_events(run_dir: Path) -> list[dict]:
+    events = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the line being written
+    return events

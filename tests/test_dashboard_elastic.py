@@ -215,11 +215,11 @@ def test_the_live_tab_draws_n_where_the_speedup_was_and_no_line_bridges_the_gap(
 
     live = LiveRun()
     plots = LivePlots(live, plots=tuple(p for p in LIVE_PLOTS if p.name in ("loss", "workers")))
-    assert not plots.panes["workers"].visible
+    assert plots.panes["workers"] not in plots.flex.objects
     live.buffers = RunBuffers(4)
     live.param.update(config={"backend": "torch", "on_rank_loss": "continue", "ranks": 4},
                       generation=live.generation + 1)
-    assert plots.panes["workers"].visible
+    assert plots.flex.objects == [plots.panes["loss"], plots.panes["workers"]]
     assert [p.name for p in LIVE_PLOTS if not p.shown(elastic=True)] == ["speedup"]
     for event in elastic_events():
         live.buffers.add(event)
