@@ -164,17 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     if seconds:
         print(f"{'total':<52} {sum(seconds.values()):8.1f}")
     if args.write_timings and seconds and not failed:
-        write_timings(args.size, condition, seconds, sum(loads) / len(loads))
+        write_timings(args.size, condition, seconds, sum(loads) / len(loads), args.only)
     return 1 if failed or over else 0
 
 
-def write_timings(size: str, condition: str, seconds: dict[str, float], load: float) -> None:
+def write_timings(size: str, condition: str, seconds: dict[str, float], load: float,
+                  only: list[str] | None = None) -> None:
     timings = teaching.read_timings()
     timings["machine"] = f"a {os.cpu_count()}-core {platform.machine()} machine"
     entry = timings.setdefault("sizes", {}).setdefault(size, {}).setdefault(condition, {})
-    entry.update(date=datetime.date.today().isoformat(), load_average=round(load, 2),
-                 command=f"benchmarks/bench_notebooks.py --size {size}"
-                         + (f" --load {teaching.LOAD_PROCESSES}" if condition == "loaded" else ""))
+    record = dict(date=datetime.date.today().isoformat(), load_average=round(load, 2),
+                  command=f"benchmarks/bench_notebooks.py --size {size}"
+                          + (f" --load {teaching.LOAD_PROCESSES}" if condition == "loaded" else "")
+                          + (f" --only {' '.join(only)}" if only else ""))
+    remeasured = entry.pop("remeasured", {})
+    if only:  # the others keep the date and load they were measured at; these say their own
+        entry["remeasured"] = {**remeasured, **{stem: record for stem in seconds}}
+    else:
+        entry.update(record)
     entry["notebooks"] = {**entry.get("notebooks", {}), **seconds}
     teaching.TIMINGS_FILE.write_text(json.dumps(timings, indent=1) + "\n")
     print(f"wrote {teaching.TIMINGS_FILE}")

@@ -57,10 +57,13 @@ EXPECTED_RUNS = {
     "07-scaling-and-speedup": ["sweeps/07-scaling/runs/ranks_1", "sweeps/07-scaling/runs/ranks_2",
                                "sweeps/07-measure-speedup/n2"],
     "08-reproducing-the-paper": [],  # it reads experiments/reproduction-results.jsonl
-    "09-beyond-the-paper": ["sweeps/09-methods/runs/ranks_1"] + [
+    "09-beyond-the-paper": ["sweeps/09-methods/runs/ranks_1", "runs/09-elastic"] + [
         f"sweeps/09-methods/runs/method_{m}-average_every_{k}"
         for m in ("model", "bmuf", "diloco") for k in (2, 16)],
 }
+# Notebook 09's elastic run: 4 worker processes at every size, long enough at the small size
+# (60 epochs) for a new process to join it.
+ELASTIC_RUN = "runs/09-elastic"
 
 
 def _read(name: str):
@@ -241,6 +244,10 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         assert list(work.glob(pattern)), f"{name} left no run directory {pattern}"
     for run_dir, summary in _summaries(work).items():
         cfg = summary["config"]
+        if run_dir == work / ELASTIC_RUN:
+            assert (summary["ranks"], summary["worker_counts"]) == (4, [4, 3, 4]), summary
+            assert summary["frames_untrained"] > 0 and math.isfinite(summary["cv_loss"])
+            continue
         assert (cfg["model"]["hidden_layers"], cfg["model"]["hidden_dim"], cfg["epochs"]) == (1, 32, 1), run_dir
         assert summary["ranks"] in (1, 2), run_dir
         # 120 pdfs: chance is under 1 %; any trained model beats the silence prior's floor of 0
@@ -286,6 +293,18 @@ def test_notebook_runs_in_small_mode(name, venv_kernel, tmp_path, monkeypatch):
         # every method sends the same bytes at one K; 8x fewer rounds at K=16 than at K=2
         assert sent["method_bmuf-average_every_2"] == sent["method_model-average_every_2"] > 0
         assert sent["method_model-average_every_16"] < sent["method_model-average_every_2"] / 4
+        # the elastic section: a loss at a quarter of the run, a join, both said as they came
+        assert "4 workers; rank 3 is killed at step 360, a quarter of the run" in text
+        assert "labavg: rank 3 left the job (signal SIGKILL); 3 workers go on" in text
+        assert "member_lost: rank 3 at step 360 (round " in text and "): N = 3; " in text
+        assert re.search(r"member_joined: rank 3 at step \d+ \(round \d+\): N = 4; [\d.]+ s "
+                         r"from the join's request", text), text[-2000:]
+        assert re.search(r"workers 4 -> 3 -> 4 \(from steps 0, 360, \d+\); frames left "
+                         r"untrained: [\d,]+ of [\d,]+", text)
+        # Run All's rerun of the cell (a control cell: it calls start_run) reads the run back
+        again = "".join(o.get("text", "") for c in reruns if "teaching_elastic" in c.source
+                        for o in c.get("outputs", []))
+        assert "has finished already: read back" in again and "workers 4 -> 3 -> 4" in again
     if name in ("02-single-worker-baseline", "04-ngsgd-vs-sgd"):
         # an exported copy shows its plots offline: images, no script or stylesheet from a CDN
         from labavg.studies.teaching import offline_html_exporter

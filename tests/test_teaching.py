@@ -53,6 +53,20 @@ def test_the_banner_prints_the_measured_times_or_says_there_are_none():
     assert "LABAVG_NOTEBOOK_SIZE=small or full" in text
 
 
+def test_a_notebook_measured_again_on_its_own_says_its_own_date():
+    """benchmarks/bench_notebooks.py --only 09 records 09's date and load apart: the others'
+    record keeps the day they were measured."""
+    timings = json.loads(json.dumps(TIMINGS))
+    plain = timings["sizes"]["class"]["plain"]
+    plain["notebooks"]["04-ngsgd-vs-sgd"] = 70.0
+    plain["remeasured"] = {"04-ngsgd-vs-sgd": {"date": "2026-12-05", "load_average": 7.9,
+                                               "command": "... --only 04"}}
+    size = teaching.SIZES["class"]
+    assert "about 70 s on a 2-core x86_64 machine (measured 2026-12-05)" in teaching.banner(
+        "04", size, timings)
+    assert "(measured 2026-12-01)" in teaching.banner("03", size, timings)
+
+
 def test_the_notebooks_folder_is_the_clones():
     # labavg/studies/teaching.py sits two folders below the repository root: a wrong parent
     # finds no notebook, every banner then says "not measured" and the benchmark times nothing.

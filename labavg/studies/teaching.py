@@ -252,6 +252,9 @@ def banner(notebook: str, size: NotebookSize, timings: dict[str, Any] | None = N
         lines.append("Expected time: not measured at this size (benchmarks/bench_notebooks.py).")
     else:
         record = measurement(size.name, "plain", timings)
+        # a notebook measured again alone (benchmarks/bench_notebooks.py --only) has its own date
+        record = next((r for stem, r in record.get("remeasured", {}).items()
+                       if notebook in (stem, _number(stem))), record)
         when = f" (measured {record['date']})" if record.get("date") else ""
         also = f", about {_minutes(loaded)} {CONDITION_WORDS['loaded']}" if loaded is not None else ""
         lines.append(f"Expected time: about {_minutes(plain)} on {timings.get('machine', 'this machine')}"
