@@ -238,3 +238,20 @@ def test_the_live_tab_draws_n_where_the_speedup_was_and_no_line_bridges_the_gap(
     assert max(b for a, b in drawn if b < 50) == 32 and min(a for a, b in drawn if a > 50) >= 71
     assert not any(a <= 32 and b >= 71 for a, b in drawn)
     assert "4 -> 3 workers at step 35" in plots.speedup_line.object
+
+
+def test_the_sidebar_shows_an_elastic_runs_model_without_what_only_torch_takes(tmp_path):
+    import dataclasses
+
+    from dashboard.settings import GENERAL, RunSettings
+    from labavg.base.settings import to_dict
+    from labavg.comm.settings import ElasticConfig
+    from labavg.training.config import TrainConfig
+
+    cfg = dataclasses.replace(TrainConfig(), backend="torch", on_rank_loss="continue", ranks=4,
+                              epochs=7, elastic=ElasticConfig(heartbeat_ms=3000))
+    settings = RunSettings(runs_dir=str(tmp_path))
+    settings.show_run(to_dict(cfg))
+    assert settings.ranks == 4 and settings.epochs == 7
+    assert not any(k == "on_rank_loss" or k.startswith("elastic.") for k in settings.overrides)
+    assert GENERAL not in settings.errors  # Start is not refused for a setting it cannot show
