@@ -215,8 +215,10 @@ def section(runs: list[Run], sweep_file: Path) -> list[str]:
         f"{s.get('minibatch')}, K = {s.get('averaging.average_every')}, NG-SGD, learning rate "
         f"{s.get('lr')} x N. Sized so that the {len(runs)} runs fit about 25 minutes on a 2-core "
         "machine, where the 4 worker processes share 2 cores (oversubscribed), one run at a "
-        f"time: they took {_wall_minutes(runs):.0f} min of training wall time in all, decoding "
-        "on top; a bigger model or corpus would leave fewer seeds in the time. Every run's "
+        f"time: their training took {_wall_minutes(runs):.0f} min of wall time in all, starting "
+        "the processes and decoding each run's test set most of the rest; a bigger model or "
+        "corpus would leave fewer seeds in the time. The resumed run makes more updates per "
+        "worker: after the resume its epochs are split over 3. Every run's "
         "membership was checked: no worker lost but the one killed. WER on the test set; "
         "frames left untrained are those of the lost shard, and their share of what the run "
         "planned to train.", "",
