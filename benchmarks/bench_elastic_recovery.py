@@ -60,6 +60,10 @@ def trial(data: str, ranks: int, heartbeat_ms: int, root: Path) -> tuple[float, 
         first = _wait(lambda: [e for e in _events(run) if e["type"] == "member_lost"], 60,
                       "member_lost")
         recovery = min(e["time"] for e in first) - killed_at
+        # Where the survivors' time went: the admission round that saw the loss (a round cut
+        # short by the kill is run again inside it: the lighthouse waits out the heartbeat).
+        print(f"  killed rank {lost}; member_lost admission round "
+              f"{max(e['round_seconds'] for e in first):.2f} s", flush=True)
         asked = time.time()
         join(run, timeout=120)
         joined = [e for e in _events(run) if e["type"] == "member_joined" and lost in e["joined"]]

@@ -5,7 +5,9 @@ from the elastic launcher's environment where not given. Prints one JSON line pe
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -24,17 +26,21 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=0.05)
     p.add_argument("--min-workers", type=int, default=int(os.environ.get("LABAVG_MIN_WORKERS", "1")))
     p.add_argument("--timeout", type=float, default=5.0, help="round_timeout_s")
+    p.add_argument("--quorum-timeout", type=float, default=10.0, help="quorum_timeout_s")
     p.add_argument("--die-on-heal", metavar="FILE",
                    help="the first worker asked for its state by a joiner after the start "
                         "(the one that makes FILE) dies there: a loss during a heal")
     p.add_argument("--join", action="store_true",
                    default=os.environ.get("LABAVG_JOINING") == "1")
+    p.add_argument("--stop-in-round", type=int, default=-1, metavar="R",
+                   help="--die-rank stops itself (SIGSTOP) at round R inside the collective "
+                        "after the admission round, the others 0.6 s behind it there")
     p.add_argument("--same", action="store_true", help="every worker moves alike")
     p.add_argument("--admit", action="store_true",
                    help="each round: an admission round, then two means of other sizes")
     a = p.parse_args()
     comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
-                               timeout_s=a.timeout, quorum_timeout_s=10)
+                               timeout_s=a.timeout, quorum_timeout_s=a.quorum_timeout)
     # The "model": every worker moves its own way between rounds, as local SGD does.
     state = {"x": torch.zeros(6, dtype=torch.float64), "round": torch.zeros((), dtype=torch.int64),
              "momentum": torch.zeros(6, dtype=torch.float64)}
@@ -61,6 +67,11 @@ def main() -> None:
         if a.admit:
             # As the trainer does: admission, then the averager's collectives (other sizes).
             healed = comm.admit().healed
+            if r == a.stop_in_round and not a.join:
+                if a.die_rank == a.rank:  # stops while it waits for the others in the reduction
+                    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+                else:
+                    time.sleep(0.6)
             other = torch.full((1000,), float(a.rank))
             comm.allreduce_mean(other)
         comm.allreduce_mean(buf)

@@ -61,7 +61,7 @@ def _quiet_torchft() -> None:
     warns of a GPU trace recorder on every reconfiguration, CPU or not."""
     import logging
 
-    os.environ.setdefault("RUST_LOG", "warn")
+    os.environ.setdefault("RUST_LOG", "warn")  # a level only: torchft reads no per-module filter
     # Its Manager logs every failed collective with a traceback (a lost worker's "Connection
     # reset by peer"); such a round is run again among the survivors, and a worker that gives up
     # says why in labavg's one line (TooFewWorkers), so those logs are only noise beside it.
@@ -184,10 +184,7 @@ class ElasticCommunicator:
             try:
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
             except TimeoutError:
-                raise TooFewWorkers(
-                    f"fewer than elastic.min_workers = {self._min_workers} workers were present "
-                    f"for elastic.quorum_timeout_s = {self._quorum_timeout_s:g} s (the last round "
-                    f"had ranks {list(self.members)} of {self.launch_size})") from None
+                raise TooFewWorkers(self._no_quorum(admit)) from None
             if not self._manager.should_commit():
                 continue  # a member was lost during the round: again, among the survivors
             present = work[buf.numel():].round().to(torch.int64)
@@ -204,6 +201,21 @@ class ElasticCommunicator:
             return
         raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
                             f"workers present: {self._manager.errored()}")
+
+    def _no_quorum(self, admit: bool) -> str:
+        """Why no round formed within quorum_timeout_s, in one line."""
+        waited = f"elastic.quorum_timeout_s = {self._quorum_timeout_s:g} s"
+        # Inside an averaging round only the last round's members are let in (shrink_only): a
+        # worker the others dropped (silent past heartbeat_ms or round_timeout_s: stopped, or
+        # far too slow) waits there in vain; with min_workers = 1 nothing else can hold it.
+        dropped = (f"rank {self.rank} was dropped by the others (silent for longer than "
+                   f"elastic.heartbeat_ms or elastic.round_timeout_s: stopped?) and no round "
+                   f"took it back within {waited}")
+        if not admit and self._min_workers == 1:
+            return dropped
+        return (f"fewer than elastic.min_workers = {self._min_workers} workers were present for "
+                f"{waited} (the last round had ranks {list(self.members)} of "
+                f"{self.launch_size})" + ("" if admit else f"; or {dropped}"))
 
     def admit(self) -> Round:
         """The round that opens each averaging round: who is present, joiners let in (they heal

@@ -115,12 +115,13 @@ class ElasticJob:
     def _end_all(self) -> None:
         for proc in self.running.values():
             _signal(proc, signal.SIGTERM)
+            _signal(proc, signal.SIGCONT)  # a stopped worker's SIGTERM waits until it runs
         # A daemon: once the workers have ended, nothing is left to kill and the launcher exits.
-        timer = threading.Timer(GRACE_SECONDS, self._kill_all)
+        timer = threading.Timer(GRACE_SECONDS, self.kill_all)
         timer.daemon = True
         timer.start()
 
-    def _kill_all(self) -> None:
+    def kill_all(self) -> None:
         for proc in list(self.running.values()):
             _signal(proc, signal.SIGKILL)
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         # mkdtemp's folder is this user's alone (mode 0700).
         private = Path(tempfile.mkdtemp(prefix="labavg-join-"))
         args.join_socket = private / "join.sock"
-    server = lighthouse = None
+    server = lighthouse = job = None
     try:
         lighthouse = Lighthouse(min_workers=args.min_workers, heartbeat_ms=args.heartbeat_ms,
                                 join_timeout_ms=args.join_timeout_ms, port=args.lighthouse_port)
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"labavg: error: {flag}{exc}", file=sys.stderr, flush=True)
         return 2
     finally:
+        if job is not None:  # ending on an exception (a closed stderr): no worker outlives it
+            job.kill_all()
         if server is not None:
             server.close()
             args.join_socket.unlink(missing_ok=True)
