@@ -138,6 +138,7 @@ class LivePlots(pn.viewable.Viewer):
         self._shown = False
         self._speedup_shown: RunSpeedup | None = None
         self.figures: dict[str, Any] = {}
+        self.elastic = is_elastic(live.config)
         self._build(live.buffers.ranks, every=True)
         # The old run's curves go the moment a new run replaces it, not at the next flush.
         pn.bind(lambda _: self._new_run(), live.param.generation, watch=True)
@@ -149,6 +150,16 @@ class LivePlots(pn.viewable.Viewer):
 
     def _show_kind(self, config: dict[str, Any]) -> None:
         self.elastic = is_elastic(config)
+        # A plot drawn only for the other kind of run is drawn when such a run first comes
+        # (the N plot built on every page cost a tenth of the Live tab's server time).
+        missing = [p.name for p in self.plots if p.shown(self.elastic) and p.name not in self.figures]
+        for plot in self.plots:
+            if plot.name in missing:
+                self.figures[plot.name] = figure_of(plot, self.ranks, self.maxlen)
+        if missing:
+            self._show(missing)
+            self._speedup_shown = None
+            self._settle = _SETTLE_FLUSHES if self._shown else self._settle
         # The plots' box takes the panes of this kind of run. (Not the panes' `visible`: set
         # on a bokeh pane on a served page, Panel re-read the figure's stylesheets and raised.)
         shown = [self.panes[plot.name] for plot in self.plots if plot.shown(self.elastic)]
@@ -172,14 +183,15 @@ class LivePlots(pn.viewable.Viewer):
         the others are drawn once and cleared between runs)."""
         self.ranks = ranks
         self._rebuild = None
-        built = [plot.name for plot in self.plots if every or plot.per_rank]
+        built = [plot.name for plot in self.plots
+                 if (every or plot.per_rank) and plot.shown(self.elastic)]
         for plot in self.plots:
             if plot.name in built:
                 self.figures[plot.name] = figure_of(plot, ranks, self.maxlen)
         self._show(built)
 
     def _show(self, names: list[str]) -> None:
-        for name in names if self._shown else ():
+        for name in [n for n in names if n in self.figures] if self._shown else ():
             self.panes[name].object = self.figures[name].element
 
     def __getattr__(self, name: str) -> Any:
@@ -205,7 +217,7 @@ class LivePlots(pn.viewable.Viewer):
             self._speedup_shown = speedup
             measured = speedup.measured
             for plot in self.plots:
-                if plot.draw == SPEEDUP:
+                if plot.draw == SPEEDUP and plot.name in self.figures:
                     self.figures[plot.name].show(speedup, (measured.cores if measured else 0) or self.cores)
         text = (elastic_text(self.live.buffers.workers) if self.elastic
                 else speedup_text(speedup, self.cores))
@@ -237,7 +249,8 @@ class LivePlots(pn.viewable.Viewer):
             return 0
         sent = 0
         for plot in self.plots:
-            if ((plot.feed is not None or plot.draw == WORKERS)
+            # A plot not drawn (not of this kind of run) leaves its rows in the buffers.
+            if (plot.name in self.figures and (plot.feed is not None or plot.draw == WORKERS)
                     and (rows := rows_of(plot, self.live.buffers)) is not None):
                 self.figures[plot.name].stream(rows)
                 sent += len(rows)
