@@ -94,11 +94,12 @@ def test_losing_and_taking_back_a_worker_runs_all_in_jupyterlab(tmp_path):
             assert "workers 4 -> 3 -> 4 (from steps 0, 360, " in text, text[-2000:]
             plot = page.source_index("teaching_elastic.loss_pieces(")
             assert outputs[plot] == ["image/png"], outputs[plot]
-            cell = page.cell(plot)
-            cell.scroll_into_view_if_needed()
-            box = cell.locator("img").bounding_box()
+            image = page.cell(plot).locator("img")
+            image.scroll_into_view_if_needed()
+            box = image.bounding_box()
             assert box and box["x"] >= 0 and box["x"] + box["width"] <= 1366, box
-            cell.screenshot(path=str(SHOTS / "09-elastic-loss-and-workers.png"))
+            page.page.set_viewport_size({"width": 1366, "height": 1400})  # the figure whole
+            image.screenshot(path=str(SHOTS / "09-elastic-loss-and-workers.png"))
             summary = json.loads((run_dir / "summary.json").read_text())
             assert summary["worker_counts"] == [4, 3, 4]
             assert _left_of(run_dir) == [], "the run's processes outlived it"
