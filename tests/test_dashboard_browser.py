@@ -888,7 +888,10 @@ def test_an_elastic_run_loses_a_worker_and_gains_one_from_the_page(page, corpus,
         lose.click()
         wait_for(lambda: page.evaluate(WORKERS_JS) == 3, 60, "N = 3 in the plot after Lose")
         lost = [e for e in _read_events(out) if e["type"] == "member_lost"]
-        assert lost and all(e["lost"] == [3] and e["size"] == 3 for e in lost)
+        # (Under a load of 8-11 on 2 cores the round after the kill has also dropped live
+        # rank 1, lost [1, 3]: a fault of the job, not of the page, named here as such.)
+        assert lost and all(e["lost"] == [3] and e["size"] == 3 for e in lost), (
+            f"the others dropped more than the killed worker (labavg.comm.elastic): {lost}")
         step = lost[0]["step"]
         wait_for(lambda: page.get_by_text(f"Rank 3 lost at step {step}").count(), 30,
                  "the member_lost beside Lose")
