@@ -4,8 +4,9 @@ steps, and the membership changes in words, all from the run's typed events.
 
 A lost launch rank's curve ends where its process died, and the process that joined in its
 place (labavg.jobs.elastic_join.join: the same launch rank, the same shard) starts a new piece:
-one process, one curve, so a class sees the gap. The cells call start_run, lose and join
-themselves; this module only reads what the run recorded.
+one process, one curve, so a class sees the gap. The cells start the run, lose a worker and
+join one themselves (start_run, inject_fault, elastic_join.join); this module only reads what
+the run recorded.
 """
 
 from __future__ import annotations
