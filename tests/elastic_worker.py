@@ -40,7 +40,8 @@ def main() -> None:
                    help="each round: an admission round, then two means of other sizes")
     a = p.parse_args()
     comm = ElasticCommunicator(a.rank, a.size, a.lighthouse, min_workers=a.min_workers,
-                               timeout_s=a.timeout, quorum_timeout_s=a.quorum_timeout)
+                               timeout_s=a.timeout, quorum_timeout_s=a.quorum_timeout,
+                               joining=a.join)
     # The "model": every worker moves its own way between rounds, as local SGD does.
     state = {"x": torch.zeros(6, dtype=torch.float64), "round": torch.zeros((), dtype=torch.int64),
              "momentum": torch.zeros(6, dtype=torch.float64)}

@@ -186,7 +186,8 @@ def test_a_hung_worker_is_dropped_after_the_round_timeout(tmp_path):
     said = [line for line in err.splitlines() if line.startswith("labavg.comm.elastic.")]
     assert said == ["labavg.comm.elastic.TooFewWorkers: rank 2 was dropped by the others "
                     "(silent for longer than elastic.heartbeat_ms or elastic.round_timeout_s: "
-                    "stopped?) and no round took it back within elastic.quorum_timeout_s = 3 s"]
+                    "stopped?) and no round took it back within elastic.quorum_timeout_s = 3 s; "
+                    "`labavg train --join` starts a worker in its place"]
     assert "labavg: rank 2 left the job (exit status 1); 2 workers go on" in err
     assert "got exception" not in err and "torchft/manager.py" not in err, err  # its logs: off
     assert not _alive(job.pids)

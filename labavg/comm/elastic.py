@@ -110,6 +110,8 @@ class ElasticCommunicator:
         self._load: Callable[[Any], None] = lambda state: None
         self._healed = False
         self._spectator = False
+        # Gathered at the start, or healed as a joiner: from then on a heal means it was dropped.
+        self._settled = False
         timeout = timedelta(seconds=timeout_s)
         # Given a host, TCPStore still listens on every interface: a socket bound there does not.
         self._store = loopback_store(host=host, timeout_s=timeout_s)
@@ -152,6 +154,7 @@ class ElasticCommunicator:
         while True:
             self.admit()
             if self.size == self.launch_size:
+                self._settled = True
                 return
             if time.monotonic() > deadline:
                 raise TooFewWorkers(f"only ranks {list(self.members)} of {self.launch_size} "
@@ -159,7 +162,8 @@ class ElasticCommunicator:
 
     def _on_heal(self, state: Any) -> None:
         self._healed = True
-        self._load(state)
+        if not self._settled:  # else it ends at this round's commit (_reduce), state unchanged
+            self._load(state)
 
     def _reduce(self, buf: torch.Tensor, mean: bool, admit: bool = False) -> None:
         """One round: quorum, SUM of float `buf` with a membership row beside it, commit.
@@ -174,44 +178,57 @@ class ElasticCommunicator:
 
         row = torch.zeros(self.launch_size, dtype=buf.dtype, device=buf.device)
         row[self.rank] = 1
+        healed = False  # in any attempt: torchft loads the state before the vote, commit or not
         for attempt in range(1, ROUND_RETRIES + 2):
             self._healed = False
             # `buf` is untouched until a round commits: each attempt starts from it again.
             work = torch.cat([buf, row])
-            if self._spectator:
+            if self._spectator or healed:  # healed in an attempt before: `buf` predates it
                 work.zero_()
             self._manager.start_quorum(shrink_only=not admit)
             try:
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
             except TimeoutError:
                 raise TooFewWorkers(self._no_quorum(admit)) from None
-            if not self._manager.should_commit():
+            committed = self._manager.should_commit()
+            healed = healed or self._healed
+            if not committed:
                 continue  # a member was lost during the round: again, among the survivors
+            if healed and self._settled:
+                # Dropped (stopped, or far too slow) and back at an admission round: the trainer
+                # cannot take a survivor's state in the middle of its epoch, as a joiner does.
+                raise TooFewWorkers(self._dropped("came back after the others went on without "
+                                                  "it"))
             present = work[buf.numel():].round().to(torch.int64)
             self.members = tuple(int(r) for r in torch.nonzero(present).flatten())
+            self._settled = self._settled or (healed and self.joining)
             self.size = len(self.members)
             buf.copy_(work[: buf.numel()])
             if mean:
                 buf.div_(self.size)
             # A worker that healed sits out the rest of the averaging round it joined in: the
             # survivors' buffers in it were computed before its state was theirs.
-            self._spectator = self._spectator or self._healed
-            self.last_round = Round(self._manager.current_step(), self.members, self._healed,
-                                    attempt)
+            self._spectator = self._spectator or healed
+            self.last_round = Round(self._manager.current_step(), self.members, healed, attempt)
             return
         raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
                             f"workers present: {self._manager.errored()}")
 
+    def _dropped(self, what: str) -> str:
+        return (f"rank {self.rank} was dropped by the others (silent for longer than "
+                f"elastic.heartbeat_ms or elastic.round_timeout_s: stopped?) and {what}; "
+                f"`labavg train --join` starts a worker in its place")
+
     def _no_quorum(self, admit: bool) -> str:
         """Why no round formed within quorum_timeout_s, in one line."""
         waited = f"elastic.quorum_timeout_s = {self._quorum_timeout_s:g} s"
-        # Inside an averaging round only the last round's members are let in (shrink_only): a
-        # worker the others dropped (silent past heartbeat_ms or round_timeout_s: stopped, or
-        # far too slow) waits there in vain; with min_workers = 1 nothing else can hold it.
-        dropped = (f"rank {self.rank} was dropped by the others (silent for longer than "
-                   f"elastic.heartbeat_ms or elastic.round_timeout_s: stopped?) and no round "
-                   f"took it back within {waited}")
-        if not admit and self._min_workers == 1:
+        # A worker the others dropped waits in vain inside an averaging round (only the last
+        # round's members are let in: shrink_only), or in the quorum request it was stopped in;
+        # with min_workers = 1 nothing else can hold a quorum up.
+        if not self._settled:
+            return f"rank {self.rank} met no running worker within {waited}"
+        dropped = self._dropped(f"no round took it back within {waited}")
+        if self._min_workers == 1:
             return dropped
         return (f"fewer than elastic.min_workers = {self._min_workers} workers were present for "
                 f"{waited} (the last round had ranks {list(self.members)} of "
