@@ -69,7 +69,7 @@ def test_survivors_go_on_without_a_lost_worker_and_a_joiner_heals(lighthouse):
     # The joiner healed from a survivor and from then on holds bitwise their state, the
     # state it did not average (its momentum) included.
     first = min(j)
-    assert j[first]["healed"] and 2 not in j[first]["members"]
+    assert j[first]["healed"] and 2 not in j[first]["members"], [j[r] for r in sorted(j)[:3]]
     assert j[first]["x"] == a[first]["x"] and j[first]["m"] == a[first]["m"]
     rejoined = [r for r in j if j[r]["members"] == [0, 1, 2]]
     assert rejoined and rejoined[0] == first + 1

@@ -110,8 +110,7 @@ class ElasticCommunicator:
         self._load: Callable[[Any], None] = lambda state: None
         self._healed = False
         self._spectator = False
-        # Gathered at the start, or healed as a joiner: from then on a heal means it was dropped.
-        self._settled = False
+        self._gathered = False
         timeout = timedelta(seconds=timeout_s)
         # Given a host, TCPStore still listens on every interface: a socket bound there does not.
         self._store = loopback_store(host=host, timeout_s=timeout_s)
@@ -154,7 +153,7 @@ class ElasticCommunicator:
         while True:
             self.admit()
             if self.size == self.launch_size:
-                self._settled = True
+                self._gathered = True
                 return
             if time.monotonic() > deadline:
                 raise TooFewWorkers(f"only ranks {list(self.members)} of {self.launch_size} "
@@ -162,8 +161,7 @@ class ElasticCommunicator:
 
     def _on_heal(self, state: Any) -> None:
         self._healed = True
-        if not self._settled:  # else it ends at this round's commit (_reduce), state unchanged
-            self._load(state)
+        self._load(state)
 
     def _reduce(self, buf: torch.Tensor, mean: bool, admit: bool = False) -> None:
         """One round: quorum, SUM of float `buf` with a membership row beside it, commit.
@@ -194,14 +192,8 @@ class ElasticCommunicator:
             healed = healed or self._healed
             if not committed:
                 continue  # a member was lost during the round: again, among the survivors
-            if healed and self._settled:
-                # Dropped (stopped, or far too slow) and back at an admission round: the trainer
-                # cannot take a survivor's state in the middle of its epoch, as a joiner does.
-                raise TooFewWorkers(self._dropped("came back after the others went on without "
-                                                  "it"))
             present = work[buf.numel():].round().to(torch.int64)
             self.members = tuple(int(r) for r in torch.nonzero(present).flatten())
-            self._settled = self._settled or (healed and self.joining)
             self.size = len(self.members)
             buf.copy_(work[: buf.numel()])
             if mean:
@@ -209,6 +201,7 @@ class ElasticCommunicator:
             # A worker that healed sits out the rest of the averaging round it joined in: the
             # survivors' buffers in it were computed before its state was theirs.
             self._spectator = self._spectator or healed
+            self._gathered = self._gathered or (healed and self.joining)
             self.last_round = Round(self._manager.current_step(), self.members, healed, attempt)
             return
         raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
@@ -225,7 +218,7 @@ class ElasticCommunicator:
         # A worker the others dropped waits in vain inside an averaging round (only the last
         # round's members are let in: shrink_only), or in the quorum request it was stopped in;
         # with min_workers = 1 nothing else can hold a quorum up.
-        if not self._settled:
+        if not self._gathered:  # at the start, or a joiner before its heal
             return f"rank {self.rank} met no running worker within {waited}"
         dropped = self._dropped(f"no round took it back within {waited}")
         if self._min_workers == 1:

@@ -99,9 +99,19 @@ def elastic_state(run: Any) -> dict[str, Any]:
 
 
 def elastic_load(run: Any, state: dict[str, Any]) -> None:
+    progress = Progress.from_state_dict(state["progress"])
+    if not run.joining and progress.step != run.progress.step:
+        # Dropped (stopped, or far behind) and back at a round: its epoch is at another step
+        # than the survivors' state; a worker one round late (same step) heals and goes on.
+        from labavg.comm.elastic import TooFewWorkers
+
+        raise TooFewWorkers(f"rank {run.comm.rank} was dropped by the others (silent for longer "
+                            f"than elastic.heartbeat_ms or elastic.join_timeout_ms: stopped?) and "
+                            f"came back at step {run.progress.step}, the others at step "
+                            f"{progress.step}; `labavg train --join` starts a worker in its place")
     run.flat.copy_(state["params"].to(run.flat.device))
     run.optimizer.load_state_dict(state["optimizer"])
-    run.progress = Progress.from_state_dict(state["progress"])
+    run.progress = progress
     run.averager.load_state_dict(state["averager"], run.flat)
     if state["global_model"] is not None:
         run.averager.global_model.copy_(state["global_model"].to(run.flat.device))
