@@ -193,6 +193,24 @@ def test_a_hung_worker_is_dropped_after_the_round_timeout(tmp_path):
     assert not _alive(job.pids)
 
 
+def test_a_worker_stopped_until_the_others_finished_does_not_go_on_alone(tmp_path):
+    """Continued after the job finished, it would find itself alone and, with min_workers = 1,
+    train on and write the run's results over the others'."""
+    job = Job(tmp_path, 3, "30", "--admit", "--pause", "0.1")
+    workers = job.workers()
+    job.wait_for(lambda: len(job.rounds(2)) >= 5)
+    os.kill(workers[2], signal.SIGSTOP)
+    job.wait_for(lambda: [job.rounds(r)[-1]["round"] for r in (0, 1)] == [30, 30])
+    job.wait_for(lambda: not _alive([workers[0], workers[1]]))
+    os.kill(workers[2], signal.SIGCONT)
+    code, err = job.end(60)
+    assert code == 0, err[-1500:]
+    assert not [d for d in job.rounds(2) if d["members"] == [2]]  # no round of its own
+    assert "JobFinished: the job finished while rank 2 was away (stopped?): it ends without " \
+           "writing" in err, err[-1500:]
+    assert not _alive(job.pids)
+
+
 def test_sigterm_to_the_launcher_ends_a_stopped_worker_at_once(tmp_path):
     job = Job(tmp_path, 2, "100000", "--pause", "0.05")
     workers = job.workers()

@@ -19,11 +19,13 @@ elastic form: the reduce algorithms (ring, butterfly) and the hierarchy are refu
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -43,6 +45,11 @@ class ElasticUnsupported(RuntimeError):
 
 class TooFewWorkers(RuntimeError):
     """Fewer workers than `min_workers` stayed for `quorum_timeout_s`."""
+
+
+class JobFinished(RuntimeError):
+    """The others finished the job while this worker was away (stopped): it must not go on
+    alone and write the run's results over theirs."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,17 @@ class Lighthouse:
 
     def close(self) -> None:
         self._server.shutdown()
+
+
+def _job_finished() -> bool:
+    """Whether the launcher's state file (labavg.comm.elastic_launch) says a worker finished."""
+    path = os.environ.get("LABAVG_ELASTIC_STATE")  # elastic_launch.STATE_ENV
+    if not path:
+        return False
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("finished") is True
+    except (OSError, ValueError, AttributeError):
+        return False  # being replaced (os.replace) or gone: nothing said
 
 
 class ElasticCommunicator:
@@ -230,6 +248,11 @@ class ElasticCommunicator:
     def admit(self) -> Round:
         """The round that opens each averaging round: who is present, joiners let in (they heal
         here and sit out the rest of this averaging round; they take part from the next)."""
+        # A worker ends with 0 only once the job's training is done, after its last round, so
+        # a worker still opening rounds then was away (stopped) while the others finished.
+        if self._gathered and _job_finished():
+            raise JobFinished(f"the job finished while rank {self.rank} was away (stopped?): "
+                              f"it ends without writing")
         self._spectator = False
         self._reduce(torch.zeros(1, dtype=torch.float64), mean=False, admit=True)
         return self.last_round

@@ -34,6 +34,7 @@ from labavg.comm.launchers import end_with_parent
 LIGHTHOUSE_ENV = "LABAVG_LIGHTHOUSE"
 MIN_WORKERS_ENV = "LABAVG_MIN_WORKERS"
 JOINING_ENV = "LABAVG_JOINING"  # "1" in a worker started by a join: it heals, it does not gather
+STATE_ENV = "LABAVG_ELASTIC_STATE"  # the launcher's state file, where a worker reads "finished"
 GRACE_SECONDS = 10.0
 
 
@@ -54,7 +55,8 @@ class ElasticJob:
               ) -> subprocess.Popen:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(self.nproc),
                "LOCAL_RANK": str(rank), LIGHTHOUSE_ENV: self.lighthouse,
-               MIN_WORKERS_ENV: str(self.min_workers), JOINING_ENV: "1" if joining else "0"}
+               MIN_WORKERS_ENV: str(self.min_workers), JOINING_ENV: "1" if joining else "0",
+               STATE_ENV: "" if self.state_file is None else str(self.state_file)}
         proc = subprocess.Popen([sys.executable, *self.argv], env=env, start_new_session=True,
                                 preexec_fn=end_with_parent if sys.platform == "linux" else None)
         self.running[rank] = proc
@@ -131,7 +133,8 @@ class ElasticJob:
         state = {"lighthouse": self.lighthouse, "launcher": os.getpid(),
                  "workers": {str(r): p.pid for r, p in sorted(self.running.items())},
                  "size": self.nproc,
-                 "join_socket": None if self.join_socket is None else str(self.join_socket)}
+                 "join_socket": None if self.join_socket is None else str(self.join_socket),
+                 "finished": self.finished}
         tmp = self.state_file.with_name(self.state_file.name + ".tmp")
         tmp.write_text(json.dumps(state) + "\n", encoding="utf-8")
         os.replace(tmp, self.state_file)
