@@ -36,6 +36,8 @@ def main() -> None:
                    help="--die-rank stops itself (SIGSTOP) at round R inside the collective "
                         "after the admission round, the others 0.6 s behind it there")
     p.add_argument("--same", action="store_true", help="every worker moves alike")
+    p.add_argument("--big", type=int, default=1000,
+                   help="elements of the second mean of --admit (large: most time in it)")
     p.add_argument("--admit", action="store_true",
                    help="each round: an admission round, then two means of other sizes")
     a = p.parse_args()
@@ -73,7 +75,7 @@ def main() -> None:
                     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGSTOP)).start()
                 else:
                     time.sleep(0.6)
-            other = torch.full((1000,), float(a.rank))
+            other = torch.full((a.big,), float(a.rank))
             comm.allreduce_mean(other)
         comm.allreduce_mean(buf)
         state["x"].copy_(buf)

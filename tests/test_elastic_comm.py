@@ -38,7 +38,7 @@ def _rounds(proc: subprocess.Popen, timeout: float = 180) -> tuple[dict[int, dic
 
 @pytest.fixture
 def lighthouse():
-    lh = Lighthouse(heartbeat_ms=1000, join_timeout_ms=1000)
+    lh = Lighthouse(heartbeat_ms=1000)  # the default join_timeout_ms, as a job runs it
     yield lh
     lh.close()
 
@@ -118,3 +118,12 @@ def test_collectives_without_an_elastic_form_are_refused(lighthouse):
         assert recv.tolist() == [7, 0, 255, 1]
     finally:
         comm.close()
+
+
+def test_a_joiner_that_finds_no_worker_ends_without_training(lighthouse):
+    """The others finished as it started: with no survivor to heal from, its first round must
+    not make it the job (it trained alone from step 0 and wrote over the run's summary)."""
+    joiner = _start(1, 2, lighthouse, 5, "--join", "--admit")
+    rounds, err = _rounds(joiner, timeout=120)
+    assert joiner.returncode != 0 and rounds == {}, (rounds, err[-800:])
+    assert "JobFinished: rank 1 found no worker to join" in err, err[-800:]

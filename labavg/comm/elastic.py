@@ -79,7 +79,7 @@ class Lighthouse:
     """The job's quorum server (torchft's lighthouse), on `host` at `port` (0: a free one)."""
 
     def __init__(self, *, min_workers: int = 1, heartbeat_ms: int = 1000,
-                 join_timeout_ms: int = 2000, host: str = "127.0.0.1", port: int = 0):
+                 join_timeout_ms: int = 30_000, host: str = "127.0.0.1", port: int = 0):
         _quiet_torchft()
         from torchft._torchft import LighthouseServer
 
@@ -138,6 +138,7 @@ class ElasticCommunicator:
             pg = ProcessGroupNCCL(timeout=timeout)
         else:
             pg = ProcessGroupGloo(timeout=timeout)
+        self._pg = pg
         from labavg.comm.elastic_transport import StateTransport
 
         self._transport = StateTransport(host, timeout)
@@ -202,13 +203,28 @@ class ElasticCommunicator:
             if self._spectator or healed:  # healed in an attempt before: `buf` predates it
                 work.zero_()
             self._manager.start_quorum(shrink_only=not admit)
+            votes = torch.ones(1, dtype=torch.float64)
             try:
+                self._manager.wait_quorum()
+                if self._gathered and not admit and not self._manager.is_participating():
+                    # Behind inside an averaging round (a dropped worker is let in only at an
+                    # admission round): the others committed a round that failed here and have
+                    # moved on to a collective of another shape, which this worker cannot know.
+                    raise TooFewWorkers(self._behind())
                 self._manager.allreduce(work, reduce_op=ReduceOp.SUM).wait()
+                # torchft's commit is each worker's own: where a loss cut the reduction short
+                # on some members only, the others would commit and move on. The vote says
+                # whether every participant came through; one that failed casts none.
+                self._manager.allreduce(votes, reduce_op=ReduceOp.SUM).wait()
             except TimeoutError:
                 raise TooFewWorkers(self._no_quorum(admit)) from None
-            committed = self._manager.should_commit()
+            committed = (self._manager.should_commit()
+                         and round(votes.item()) == self._manager.num_participants())
             healed = healed or self._healed
             if not committed:
+                # Closing this worker's connections fails the members still waiting in the
+                # reduction or the vote at once, not after round_timeout_s.
+                self._pg.abort()
                 continue  # a member was lost during the round: again, among the survivors
             present = work[buf.numel():].round().to(torch.int64)
             self.members = tuple(int(r) for r in torch.nonzero(present).flatten())
@@ -224,6 +240,11 @@ class ElasticCommunicator:
             return
         raise TooFewWorkers(f"a round failed {ROUND_RETRIES + 1} times in a row among the "
                             f"workers present: {self._manager.errored()}")
+
+    def _behind(self) -> str:
+        return (f"rank {self.rank} fell behind the others: a round they committed failed here "
+                f"(a worker was lost at its end); it leaves the job, and `labavg train --join` "
+                f"starts a worker in its place")
 
     def _dropped(self, what: str) -> str:
         return (f"rank {self.rank} was dropped by the others (silent for longer than "
@@ -255,6 +276,12 @@ class ElasticCommunicator:
                               f"it ends without writing")
         self._spectator = False
         self._reduce(torch.zeros(1, dtype=torch.float64), mean=False, admit=True)
+        if self.joining and not self._gathered:
+            # Not healed at its first round: no worker was left to take the state from (the
+            # others finished as it started), and training alone from step 0 would write over
+            # the job's results.
+            raise JobFinished(f"rank {self.rank} found no worker to join: the job finished, or "
+                              f"lost every worker, before it arrived; it ends without writing")
         return self.last_round
 
     def allreduce_mean(self, buf: torch.Tensor) -> None:

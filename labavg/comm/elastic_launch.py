@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True)
     parser.add_argument("--min-workers", type=int, default=1)
     parser.add_argument("--heartbeat-ms", type=int, default=1000)
-    parser.add_argument("--join-timeout-ms", type=int, default=2000)
+    parser.add_argument("--join-timeout-ms", type=int, default=30_000)
     parser.add_argument("--lighthouse-port", type=int, default=0,
                         help="where the lighthouse listens on 127.0.0.1 (0: a free port)")
     parser.add_argument("--state-file", type=Path)

@@ -24,8 +24,13 @@ class ElasticConfig:
                                "alone)", POSITIVE)
     heartbeat_ms: int = setting(1000, "silence after which the lighthouse drops a worker",
                                 integer(100, 600_000))
-    join_timeout_ms: int = setting(2000, "how long a quorum waits for a started worker that has "
-                                   "not asked to join yet", integer(0, 600_000))
+    # A worker that is alive (its heartbeat goes on) but late to a round (a slow checkpoint, a
+    # loaded machine, a joiner still building its model) is waited for this long before the
+    # others go on without it; at 2 s, live workers were dropped under load, and a joiner
+    # could meet a round of its own.
+    join_timeout_ms: int = setting(30_000, "how long a round waits for a worker that is alive "
+                                   "but late before the others go on without it",
+                                   integer(0, 600_000))
     # A worker killed while the survivors set up a round's group is found only by this timeout
     # (measured: 30.1 s at 30 s, once in 5 kills); one that dies between rounds, by the
     # heartbeat. A round moves a few MB between workers already waiting for each other.
