@@ -114,3 +114,32 @@ def stop_at_first_round(handle, timeout: float = 120) -> list:
             break
     assert not handle.done(), "the run ended before its first averaging round"
     return events
+
+
+def processes_naming(path: Path) -> list[str]:
+    """The command lines of running processes that name `path` (a run directory: its
+    `labavg train`, launcher and workers), to check that nothing of a job is left."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if str(path) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
+                left.append(" ".join(p.info["cmdline"]))
+        except psutil.Error:
+            pass
+    return left
+
+
+def running(pids) -> list[int]:
+    """Which of `pids` still run (a zombie has ended)."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left

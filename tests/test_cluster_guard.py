@@ -11,6 +11,8 @@ import time
 
 import psutil
 
+from support import running
+
 # A stand-in for a kernel: Run All twice (two Cluster.start in one profile), then it waits.
 KERNEL = r'''
 import json, sys, time
@@ -23,29 +25,18 @@ time.sleep(600)
 '''
 
 
-def _running(pids: list[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 def test_a_killed_kernel_leaves_no_process_of_its_cluster(tmp_path):
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(tmp_path / "profile")],
                               stdout=subprocess.PIPE, text=True)
     try:
         started = json.loads(kernel.stdout.readline())
-        assert started["first_closed"] and _running(started["first"]) == [], "Run All again replaced the first"
+        assert started["first_closed"] and running(started["first"]) == [], "Run All again replaced the first"
         tree = [p.pid for p in psutil.Process(kernel.pid).children(recursive=True)]
         assert set(started["second"]) <= set(tree) and len(started["second"]) >= 5, started
     finally:
         kernel.kill()  # kill -9: no exit hook of the kernel runs
         kernel.wait()
     deadline = time.monotonic() + 10
-    while _running(tree) and time.monotonic() < deadline:
+    while running(tree) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _running(tree) == [], [psutil.Process(p).cmdline() for p in _running(tree)]
+    assert running(tree) == [], [psutil.Process(p).cmdline() for p in running(tree)]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from support import wait_for
+from support import processes_naming, wait_for
 
 # The dashboard in headless chromium at 1366 x 768 (`pytest -m slow`).
 pytestmark = pytest.mark.slow
@@ -843,19 +843,6 @@ WORKERS_JS = """
 """
 
 
-def _left_running(out: Path) -> list[str]:
-    """Processes whose command line names the run directory (launcher, workers)."""
-    import psutil
-
-    left = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if str(out) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
-                left.append(" ".join(p.info["cmdline"]))
-        except psutil.Error:
-            pass
-    return left
-
 
 def test_an_elastic_run_loses_a_worker_and_gains_one_from_the_page(page, corpus, tmp_path):
     """A 4-worker elastic run (labavg train, torch, on_rank_loss = "continue") followed from
@@ -915,7 +902,7 @@ def test_an_elastic_run_loses_a_worker_and_gains_one_from_the_page(page, corpus,
         if job.poll() is None:
             job.terminate()
             job.wait(60)
-    assert wait_for(lambda: not _left_running(out), 30, "no process of the run left")
+    assert wait_for(lambda: not processes_naming(out), 30, "no process of the run left")
 
 
 def _read_events(run_dir: Path) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 
 from labavg.base.waiting import wait_until
 from labavg.comm.elastic_launch import request_join
+from support import processes_naming, running
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,18 +94,6 @@ def _read_json(path: Path):
         return None
 
 
-def _alive(pids) -> list[int]:
-    """Which of `pids` still run (a zombie has ended)."""
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 def _members(rounds: list[dict]) -> list[list[int]]:
     """The successive memberships in `rounds`, each once."""
     seen: list[list[int]] = []
@@ -131,7 +120,7 @@ def test_two_lost_at_once_then_the_last_survivor_goes_on_alone(tmp_path):
     assert _members(last) == [[0, 1, 2, 3], [0, 1], [0]]
     assert "rank 1 left the job (signal SIGKILL); 1 worker goes on" in err
     assert err.count("left the job") == 3
-    assert not _alive(job.pids)
+    assert not running(job.pids)
 
 
 def test_a_loss_during_a_heal_the_joiner_heals_from_another(tmp_path):
@@ -159,7 +148,7 @@ def test_a_loss_during_a_heal_the_joiner_heals_from_another(tmp_path):
     assert joiner[-1]["members"] == sorted([survivor, 2])
     assert f"rank {lost[0]} left the job (exit status 1)" in err
     assert "got exception" not in err and "torchft/manager.py" not in err, err
-    assert not _alive(job.pids)
+    assert not running(job.pids)
 
 
 def test_a_hung_worker_is_dropped_after_the_round_timeout(tmp_path):
@@ -190,7 +179,7 @@ def test_a_hung_worker_is_dropped_after_the_round_timeout(tmp_path):
                     "`labavg train --join` starts a worker in its place"]
     assert "labavg: rank 2 left the job (exit status 1); 2 workers go on" in err
     assert "got exception" not in err and "torchft/manager.py" not in err, err  # its logs: off
-    assert not _alive(job.pids)
+    assert not running(job.pids)
 
 
 def test_a_worker_stopped_until_the_others_finished_does_not_go_on_alone(tmp_path):
@@ -201,14 +190,14 @@ def test_a_worker_stopped_until_the_others_finished_does_not_go_on_alone(tmp_pat
     job.wait_for(lambda: len(job.rounds(2)) >= 5)
     os.kill(workers[2], signal.SIGSTOP)
     job.wait_for(lambda: [job.rounds(r)[-1]["round"] for r in (0, 1)] == [30, 30])
-    job.wait_for(lambda: not _alive([workers[0], workers[1]]))
+    job.wait_for(lambda: not running([workers[0], workers[1]]))
     os.kill(workers[2], signal.SIGCONT)
     code, err = job.end(60)
     assert code == 0, err[-1500:]
     assert not [d for d in job.rounds(2) if d["members"] == [2]]  # no round of its own
     assert "JobFinished: the job finished while rank 2 was away (stopped?): it ends without " \
            "writing" in err, err[-1500:]
-    assert not _alive(job.pids)
+    assert not running(job.pids)
 
 
 def test_sigterm_to_the_launcher_ends_a_stopped_worker_at_once(tmp_path):
@@ -221,7 +210,7 @@ def test_sigterm_to_the_launcher_ends_a_stopped_worker_at_once(tmp_path):
     code, err = job.end(60)
     assert code == 143, err[-1500:]
     assert time.monotonic() - sent < 5  # not the launcher's 10 s grace before SIGKILL
-    assert not _alive(job.pids)
+    assert not running(job.pids)
 
 
 def test_a_lighthouse_port_taken_is_one_line(tmp_path):
@@ -262,18 +251,6 @@ def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def _left_running(out: Path) -> list[str]:
-    """The job's processes still running: any whose command line names the run directory
-    (`labavg train`, the launcher, the workers), the lighthouse being the launcher's own."""
-    left = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if str(out) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
-                left.append(" ".join(p.info["cmdline"]))
-        except psutil.Error:
-            pass
-    return left
-
 
 def _rounds_seen(out: Path, job: subprocess.Popen, n: int) -> None:
     def seen() -> bool:
@@ -304,7 +281,7 @@ def test_two_lost_at_once_then_below_min_workers_the_job_ends_in_one_line(corpus
     by_rank = {e["rank"]: e for e in lost}
     assert len(lost) == 2 and sorted(by_rank) == [0, 1], lost  # one event per survivor
     assert all(e["lost"] == [2, 3] and e["size"] == 2 for e in lost)
-    assert not _left_running(out) and not (out / ".elastic.json").exists()
+    assert not processes_naming(out) and not (out / ".elastic.json").exists()
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130)])
@@ -317,5 +294,5 @@ def test_a_signal_to_labavg_train_ends_the_elastic_job(corpus, tmp_path, signum,
     _, err = job.communicate(timeout=60)
     assert job.returncode == code, err[-2000:]
     assert err.count("\n") <= 1, err
-    assert wait_until(lambda: not _left_running(out), 15, 0.1), _left_running(out)
+    assert wait_until(lambda: not processes_naming(out), 15, 0.1), processes_naming(out)
     assert not (out / ".elastic.json").exists()

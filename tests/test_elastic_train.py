@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from labavg.base import checkpoint
 from labavg.jobs.elastic_join import join
 from labavg.jobs.summary import load_summary
-from tests.support import child_env
+from tests.support import child_env, processes_naming
 
 pytestmark = pytest.mark.slow
 TINY = ["--hidden-layers", "2", "--hidden-dim", "64", "--minibatch", "32", "--no-progress",
@@ -39,17 +38,6 @@ def _train(corpus: Path, out: Path, *args: str, wait: bool = True):
 def _events(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
-
-def _no_process_names(out: Path) -> list[str]:
-    """Processes whose command line names the run directory (workers, launcher)."""
-    left = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if str(out) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
-                left.append(" ".join(p.info["cmdline"]))
-        except psutil.Error:
-            pass
-    return left
 
 
 def test_a_lost_worker_leaves_and_the_others_finish(corpus, tmp_path):
@@ -77,7 +65,7 @@ def test_a_lost_worker_leaves_and_the_others_finish(corpus, tmp_path):
         model, dict) else []
     assert (out / "final.pt").stat().st_size > 0
     assert all(torch.isfinite(t).all() for t in tensors)
-    assert not _no_process_names(out)
+    assert not processes_naming(out)
 
 
 def test_the_default_still_stops_the_job_in_one_line(corpus, tmp_path):
@@ -121,4 +109,4 @@ def test_a_join_takes_the_lost_place_and_holds_the_survivors_state(corpus, tmp_p
             assert (torch.equal(value, other) if isinstance(value, torch.Tensor)
                     else value == other), key
         assert states[r]["progress"]["step"] == states[0]["progress"]["step"]
-    assert not _no_process_names(out)
+    assert not processes_naming(out)

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 
 from jupyterlab import BROWSER_ARGS, CHROMIUM, LabPage, jupyter_lab, shut_down_kernels
+from support import processes_naming
 
 pytestmark = pytest.mark.slow
 
@@ -49,17 +49,6 @@ def _section_notebook(root: Path) -> str:
     nbformat.write(nb, root / "09-elastic.ipynb")
     return "09-elastic.ipynb"
 
-
-def _left_of(run_dir: Path) -> list[str]:
-    """Processes whose command line names the run directory (its launcher and workers)."""
-    left = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or ()) and p.info["status"] != "zombie":
-                left.append(" ".join(p.info["cmdline"]))
-        except psutil.Error:
-            pass
-    return left
 
 
 @pytest.mark.timeout(420)
@@ -102,7 +91,7 @@ def test_losing_and_taking_back_a_worker_runs_all_in_jupyterlab(tmp_path):
             image.screenshot(path=str(SHOTS / "09-elastic-loss-and-workers.png"))
             summary = json.loads((run_dir / "summary.json").read_text())
             assert summary["worker_counts"] == [4, 3, 4]
-            assert _left_of(run_dir) == [], "the run's processes outlived it"
+            assert processes_naming(run_dir) == [], "the run's processes outlived it"
             shut_down_kernels(port)
         finally:
             browser.close()
