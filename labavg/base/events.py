@@ -109,6 +109,25 @@ class EpochDone(Event):
 
 
 @dataclass(frozen=True)
+class CVChecked(Event):
+    """A held-out CV check (`cv_every`): every cv_every minibatches and at each epoch end, the
+    mean of the workers' models on the whole CV set, with the training time it took to get
+    there (time to accuracy, read from the events alone)."""
+
+    type: ClassVar[str] = "cv"
+    epoch: int
+    step: int
+    epochs: float  # epochs trained at the check: `epoch` + the part of it done (1.0: its end)
+    cv_loss: float
+    cv_frame_accuracy: float
+    # Training wall seconds from the run's first minibatch to the check, summed over resumes:
+    # setup, RBM pretraining and every CV pass (this one included) are left out.
+    train_seconds: float
+    cv_seconds: float  # this check's own wall seconds, the mean of the models included
+    epoch_end: bool = False  # the epoch end's CV (the averaged model), not a check inside it
+
+
+@dataclass(frozen=True)
 class CheckpointSaved(Event):
     """A checkpoint all ranks can resume from."""
 
@@ -201,8 +220,8 @@ class MemberJoined(Event):
 
 
 EVENT_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
-    RunStarted, MinibatchDone, Averaged, EpochDone, CheckpointSaved, Message, SpeedupPair,
-    RunFinished, MemberLost, MemberJoined)}
+    RunStarted, MinibatchDone, Averaged, EpochDone, CVChecked, CheckpointSaved, Message,
+    SpeedupPair, RunFinished, MemberLost, MemberJoined)}
 
 
 def event_from_dict(values: Any) -> Event | None:
