@@ -17,11 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from labavg.base.errors import UserError
 
 MANIFEST = "latest.json"
+FINAL = "final.pt"  # the run's model, written as it ends (labavg.decode.model)
 
 
 # A disk that is full, over quota or read-only: the user's to fix, and the run resumable.
@@ -104,6 +103,8 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> Path:
     """Save one rank's state for `step` (not yet visible to resume: see commit_checkpoint)."""
+    import torch  # here, not above: a job's launcher reads manifests without torch
+
     buf = io.BytesIO()
     torch.save(state, buf)
     path = checkpoint_dir(run_dir) / f"{step:09d}" / f"rank{rank}.pt"
@@ -174,6 +175,8 @@ def load_weights(path: Path, what: str, map_location: Any = "cpu") -> Any:
     import pickle
     import re
     import warnings
+
+    import torch
 
     try:
         with warnings.catch_warnings():

@@ -35,11 +35,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
-import torch
+if TYPE_CHECKING:  # annotations only: a job's launcher reads HEARTBEAT_DIR without torch
+    import torch
 
 HEARTBEAT_DIR = "heartbeat"
 TICK_SECONDS = 1.0

@@ -19,9 +19,12 @@ import heapq
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where batches are made: a job's launcher splits and counts
+    import torch  # the data without it (labavg.training.runner.check_fits)
 
 from labavg.data.base import UtteranceSource
 from labavg.base.errors import DataError, UserError
@@ -169,6 +172,8 @@ class FrameBatches:
     def _stream(
         self, order: list[str], lengths: np.ndarray, rng: np.random.Generator, start_step: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        import torch
+
         starts = np.concatenate([[0], np.cumsum(lengths)])
         if start_step == self.num_steps:
             return
@@ -245,6 +250,8 @@ def cv_batches(
 def _cv_stream(
     source: UtteranceSource, keys: list[str], context: int, minibatch: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    import torch
+
     pending_x: list[np.ndarray] = []
     pending_y: list[np.ndarray] = []
     num_pending = 0

@@ -31,14 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from labavg.base.checkpoint import load_weights
+from labavg.base.checkpoint import FINAL, load_weights
 from labavg.base.errors import DataError, UserError
 from labavg.training.model import DNN
 from labavg.training.settings import ModelConfig
 
 FORMAT = "labavg-final"
 VERSION = 1
-FINAL = "final.pt"
 # Kaldi's default topology probabilities: a self-loop of 0.75 per state (utils/gen_topo.pl).
 SYNTH_LOOP_PROB = 0.75
 SILENCE_NAMES = ("sil", "SIL", "<sil>", "<SIL>", "!SIL")

@@ -34,13 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labavg.base.checkpoint import checkpoint_dir, latest_step
+from labavg.base.checkpoint import FINAL, checkpoint_dir, latest_step
 from labavg.comm.launchers import launcher_rank
 from labavg.training.config import TrainConfig, config_from_dict
 from labavg.base.settings import to_dict
 from labavg.base.errors import UserError, one_line
 from labavg.comm.watchdog import HEARTBEAT_DIR
-from labavg.decode.model import FINAL
 from labavg.jobs.index import CONFIG, EVENTS, SUMMARY
 from labavg.jobs.run_json import RunSummary
 from labavg.jobs.summary import load_summary

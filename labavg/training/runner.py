@@ -12,18 +12,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from labavg.training.config import TrainConfig
 from labavg.base.errors import PeerFailed, one_line, user_error_of
 from labavg.base.events import Event
-from labavg.comm.base import Communicator
 from labavg.data.base import UtteranceSource
 from labavg.data.frames import split_cv, steps_per_epoch
-from labavg.training.rank import train_rank
+
+if TYPE_CHECKING:  # the trainer is imported by `train`: a job's launcher runs check_fits alone,
+    import torch  # without torch
+
+    from labavg.comm.base import Communicator
 
 
 def check_fits(cfg: TrainConfig, source: UtteranceSource, size: int | None = None) -> None:
@@ -100,6 +102,8 @@ def train(
     its size from before afterwards, so a process that trains now and then (the dashboard, a
     notebook) keeps its own setting. glibc's malloc thresholds (`keep_freed_memory`) stay raised.
     """
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     keep_freed_memory()
@@ -109,20 +113,29 @@ def train(
         torch.set_num_threads(before)
 
 
+def _train_inproc(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSource],
+                  run_dir: Path | None, resume: bool,
+                  should_stop: Callable[[], bool] | None) -> Iterator[Event]:
+    """`cfg.ranks` simulated workers as threads of this process: every rank's events."""
+    from labavg.comm.inproc import iterate_inproc
+    from labavg.comm.devices import select_device
+    from labavg.training.rank import train_rank
+
+    source = source() if callable(source) else source
+    device = select_device(cfg.device, 0)
+    yield from iterate_inproc(
+        cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop,
+        timeout=cfg.watchdog_seconds or None,
+    )
+
+
 def _train(cfg: TrainConfig, source: UtteranceSource | Callable[[], UtteranceSource],
            run_dir: Path | None, resume: bool,
            should_stop: Callable[[], bool] | None) -> Iterator[Event]:
     if cfg.backend == "inproc":
-        from labavg.comm.inproc import iterate_inproc
-        from labavg.comm.devices import select_device
-
-        source = source() if callable(source) else source
-        device = select_device(cfg.device, 0)
-        yield from iterate_inproc(
-            cfg.ranks, train_rank, cfg, source, run_dir, resume, device, should_stop,
-            timeout=cfg.watchdog_seconds or None,
-        )
+        yield from _train_inproc(cfg, source, run_dir, resume, should_stop)
         return
+    from labavg.training.rank import train_rank
     from labavg.comm.devices import select_device
     from labavg.comm.world import open_communicator
     from labavg.comm.watchdog import Watchdog, WatchedCommunicator
@@ -207,6 +220,8 @@ def _agree(comm: Communicator, opener: Callable[[], Any]) -> Any:
     One allreduce of a per-rank failure flag, before any other collective, so that a rank that
     cannot open its data cannot leave the others waiting in the first broadcast.
     """
+    import torch
+
     failure: BaseException | None = None
     result = None
     try:
