@@ -137,3 +137,69 @@ def test_bad_budget_and_method_are_named():
     measured = MeasuredCosts(0.036, 0.004, 209_528, 128, 1, 1.29e6)
     with pytest.raises(UserError, match="method 'adam'"):
         plan(measured, accuracy_model_of(_known_runs(), "known"), TEN_GBE, methods=["adam"])
+
+
+# --------------------------------------------------------------------------- the command
+
+def _labavg(*args, cwd=REPO):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "labavg", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_plan_prints_the_front_and_the_recommendation():
+    done = _labavg("plan", "--ranks", "8", "16", "32", "--network", "10gbe")
+    assert done.returncode == 0, done.stderr
+    assert "Predicted on 10GbE" in done.stdout
+    assert "Recommended for at most 0.5 points lost: N = " in done.stdout
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert table and all(line.split("|")[2].strip() in {"8", "16", "32"} for line in table)
+
+
+def test_plan_json_agrees_with_the_library():
+    import json
+
+    done = _labavg("plan", "--ranks", "4", "16", "--K", "10", "50", "--max-loss", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert {(r["ranks"], r["K"]) for r in out["rows"]} == {(4, 10), (4, 50), (16, 10), (16, 50)}
+    best = out["recommended"]
+    assert best["acc_change"] >= -2
+    assert best in out["pareto"] or best["extrapolated"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--network", "eth"), "--network 'eth'"),
+    (("--ranks", "0"), "--ranks 0"),
+    (("--max-loss", "nan"), "--max-loss"),
+    (("--methods", "adam"), "method 'adam'"),
+    (("--results", "no-such-file.jsonl"), "no-such-file.jsonl"),
+    (("no-such-run",), "no-such-run"),
+])
+def test_plan_refuses_bad_input_in_one_line(args, words):
+    done = _labavg("plan", *args)
+    assert done.returncode == 2
+    assert words in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_plan_takes_a_finished_runs_costs(corpus, tmp_path):
+    run = tmp_path / "n1"
+    done = _labavg("train", "--data", str(corpus), "--out", str(run), "--epochs", "1",
+                   "--hidden-layers", "1", "--hidden-dim", "32", "--no-progress",
+                   "--speedup-pairs", "0")
+    assert done.returncode == 0, done.stderr
+    done = _labavg("plan", str(run), "--ranks", "2", "--K", "10", "--methods", "model", "--json")
+    assert done.returncode == 0, done.stderr
+    import json
+
+    from labavg.jobs.summary import load_summary
+
+    out, summary = json.loads(done.stdout), load_summary(run)
+    assert out["source"] == str(run)
+    (row,) = out["rows"]
+    per_minibatch = summary.compute_seconds / summary.steps
+    # Two workers each train half the frames: the epoch's compute is half of one worker's.
+    frames = summary.frames_trained / summary.epochs
+    assert row["epoch_s"] >= frames / (2 * summary.minibatch) * per_minibatch

@@ -7,6 +7,7 @@
     labavg decode RUN_DIR --data D   word and phone error rates of a run's final model
     labavg compare RUN_A RUN_B       paired bootstrap of two runs' WERs on one decoded set
     labavg info RUN_DIR...           print run summaries as a table
+    labavg plan [RUN_DIR]            predicted speedup and accuracy of each N, K and method
 
 Bad input prints one message and exits with status 2. SIGINT and SIGTERM end a long command
 (train, sweep, decode, reproduce, corpus) with 130 and 143 and one line naming the command that

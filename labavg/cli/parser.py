@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from labavg.cli.plan_command import add_plan_parser
 from labavg.cli.commands import (_dest, cmd_prepare, cmd_synth, cmd_train, cmd_dashboard, cmd_reproduce, cmd_sweep, cmd_decode, cmd_compare, cmd_info)
 
 
@@ -57,6 +58,7 @@ EXAMPLES = """examples:
   labavg train --data data/synth --out runs/n1 --ranks 1
   labavg train --data data/synth --out runs/n4 --ranks 4 --average-every 10
   labavg info runs                                  every run under runs/ as one table
+  labavg plan runs/n4 --ranks 8 16 32 --network 10gbe   which N, K and method to book
   labavg dashboard --runs-dir runs                  http://localhost:5006/app
 """
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_parser(sub)
     _add_compare_parser(sub)
     _add_info_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
