@@ -52,6 +52,8 @@ MAX_RANKS = 1 << 20
 # 30 days: a wait longer than the platform's time_t (watchdog_seconds = 1e308) fails inside the
 # collectives mid-run; a longer silence is no run's legitimate work.
 WATCHDOG_LIMIT_S = 30 * 24 * 3600
+# Past any run's length in minibatches: a check that never comes is a typo, not a setting.
+CV_EVERY_LIMIT = 10**9
 DEVICE = Rule(lambda v: v in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", v) is not None,
               "cpu, cuda, cuda:N or auto")
 THREADS = Rule(lambda v: 1 <= v <= _threads_limit(),
@@ -93,6 +95,11 @@ class TrainConfig:
     checkpoint_every: int = setting(50, "averaging rounds between checkpoints (and each epoch end)",
                                     POSITIVE, flag="--checkpoint-every")
     log_every: int = setting(1, "minibatches between per-minibatch events", POSITIVE)
+    cv_every: int = setting(
+        0, "minibatches between held-out CV checks inside epochs, of the mean of the workers' "
+        "models, off the training clock (a 'cv' event each; 0: off, CV at epoch ends only)",
+        integer(0, CV_EVERY_LIMIT, text=f"in 0..{CV_EVERY_LIMIT} minibatches (0 turns the "
+                "checks off)"), flag="--cv-every")
     speedup_pairs: int = setting(
         5, "paired speedup measurements in a run of several ranks: rank 0 trains a few "
         "minibatches alone between two rounds, then all ranks train (labavg.jobs.speedup; 0: none)",

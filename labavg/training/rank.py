@@ -5,6 +5,8 @@ directly or through labavg.training.runner.train, which starts the ranks of the 
 The method: shard the data, broadcast rank 0's model, run SGD locally, and let the averager
 (labavg.averaging.interface.RoundAverager) average every K minibatches and at each epoch end.
 The loop never asks which averager it has: what a round measured comes back in its stats.
+CV, at epoch ends and every `cv_every` minibatches, and the training clock that leaves it out
+are labavg.training.cv_check.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from labavg.base.events import (
 from labavg.base.faults import apply_fault, parse_fault
 from labavg.base.machine import usable_cores
 from labavg.comm.base import Communicator
-from labavg.comm.watchdog import beating, busy, progress as made_progress
+from labavg.comm.watchdog import busy, progress as made_progress
 from labavg.data.base import UtteranceSource
-from labavg.data.frames import FrameBatches, cv_batches, split_cv
+from labavg.data.frames import FrameBatches, split_cv
 from labavg.optim.base import Optimizer
 from labavg.optim.factory import make_optimizer
 from labavg.training import rank_state
+from labavg.training.cv_check import (check_if_due, epoch_cv, global_cv, start_clock,
+                                      train_seconds)
 from labavg.training.initial_model import build_model, input_dim, pretrain
 from labavg.training.membership import (Membership, admit, elastic_load, elastic_state,
                                         follow_members)
@@ -45,7 +49,7 @@ from labavg.training.resume_layout import Layout, resized
 from labavg.training.schedules import exponential_lr, newbob_start, newbob_step, scale_lr
 from labavg.training.speedup_probe import (SpeedupProbe, close_pair, make_probe, remember,
                                            run_cores, start_pair)
-from labavg.training.step import evaluate, train_step
+from labavg.training.step import train_step
 
 
 def train_rank(
@@ -72,6 +76,7 @@ def train_rank(
                              new_averager)
     run.should_stop = should_stop
     yield _run_started(run)
+    start_clock(run)
     if run.joining:
         yield from _join(run)
     while run.progress.step < run.total_steps and not run.stopped:
@@ -119,6 +124,7 @@ class _RankRun:
     cv_loss: float = math.nan
     cv_acc: float = math.nan
     cv_step: int = -1  # the step the CV figures are of
+    clock_mark: float = 0.0  # when the training clock last took its time (cv_check.train_seconds)
     membership: Membership | None = None  # an elastic run's workers (labavg.training.membership)
     joining: bool = False  # started by `labavg train --join`: heals at the next round
 
@@ -164,7 +170,7 @@ def _set_up(comm: Communicator, cfg: TrainConfig, source: UtteranceSource,
         resumed_accepted=None if restored is None else restored.accepted_params,
     )
     if cfg.schedule == "newbob" and progress.newbob is None and not joining:
-        cv_loss0, cv_acc0 = _global_cv(run)
+        cv_loss0, cv_acc0 = global_cv(run)
         progress.newbob = newbob_start(_newbob_value(cfg, cv_loss0, cv_acc0), cfg.newbob)
     elif progress.newbob is not None and progress.newbob.stopped:
         run.total_steps = progress.step  # resumed where the schedule ended training: finish
@@ -222,6 +228,7 @@ def _train_epoch(run: _RankRun, epoch: int, start: int) -> Iterator[Event]:
         yield from _train_minibatch(run, epoch, x, y)
         if (yield from _round_if_due(run)):
             break  # an epoch's end saves in _end_epoch
+        yield from check_if_due(run)
     return not run.stopped
 
 
@@ -257,7 +264,10 @@ def _join(run: _RankRun) -> Iterator[Event]:
     run.membership.change(tuple(run.comm.members), run.progress.step)
     follow_members(run)
     run.epoch_started = time.perf_counter()
-    if (yield from _round_if_due(run, admitted=True)) and not run.stopped:
+    start_clock(run)  # the survivors' clock is its own from here
+    if not (yield from _round_if_due(run, admitted=True)):
+        yield from check_if_due(run)  # the survivors take theirs after this round too
+    elif not run.stopped:
         yield from _end_epoch(run, run.layout.position(run.progress.step - 1)[0])
 
 
@@ -334,8 +344,7 @@ def _end_epoch(run: _RankRun, epoch: int) -> Iterator[Event]:
     """Every rank holds the averaged model: evaluate it on the CV set, let Newbob decide,
     report the epoch, save."""
     progress = run.progress
-    run.cv_loss, run.cv_acc = _global_cv(run)
-    run.cv_step = progress.step
+    yield from epoch_cv(run)
     accepted = yield from _newbob_decides(run)
     loss_sum, correct, frames = progress.epoch_sums.tolist()
     yield EpochDone(
@@ -373,7 +382,7 @@ def _run_finished(run: _RankRun) -> RunFinished:
     # Resumed at the end: CV of the final model. A stopped run keeps its last epoch's CV (NaN
     # before the first epoch end): the user asked for the run to end now.
     if run.cv_step != progress.step and not run.stopped:
-        run.cv_loss, run.cv_acc = _global_cv(run)
+        run.cv_loss, run.cv_acc = global_cv(run)
     return RunFinished(
         rank=run.comm.rank, step=progress.step,
         wall_seconds=run.wall_before + time.perf_counter() - run.wall_start,
@@ -398,31 +407,10 @@ def _run_finished(run: _RankRun) -> RunFinished:
 
 def _save(run: _RankRun) -> CheckpointSaved:
     run.progress.wall_seconds = run.wall_before + time.perf_counter() - run.wall_start
+    train_seconds(run)
     with busy():  # one file written, however slow the disk: not a hung rank
         return rank_state.save(run.run_dir, run.comm, run.progress, run.flat, run.optimizer,
                                run.cfg, run.accepted_params, run.averager)
-
-
-def _global_cv(run: _RankRun) -> tuple[float, float]:
-    """CV loss and frame accuracy of the (identical) model over every rank's part of the CV set."""
-    comm = run.comm
-    if run.membership is None:
-        mine = run.cv_keys[comm.rank :: comm.size]
-    else:  # split over the workers present; a joiner sitting out its first round takes none
-        members = run.membership.members
-        mine = (run.cv_keys[members.index(comm.rank) :: len(members)]
-                if comm.rank in members else [])
-    # Work, not a hang, however long (one batch is 4096 frames, on a big model many seconds):
-    # busy for this rank's watchdog, a beat per batch for its in-process group.
-    with busy():
-        totals = evaluate(run.model, beating(cv_batches(run.source, mine,
-                                                        context=run.cfg.data.context)),
-                          run.device)
-    comm.allreduce_mean(totals)  # float64 on CPU: sums are means times size
-    loss_sum, correct, frames = (totals * comm.size).tolist()
-    if frames == 0:
-        return math.nan, math.nan
-    return loss_sum / frames, correct / frames
 
 
 def _newbob_value(cfg: TrainConfig, cv_loss: float, cv_acc: float) -> float:

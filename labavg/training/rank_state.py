@@ -40,6 +40,9 @@ class Progress:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     wall_seconds: float = 0.0  # training wall time up to the last checkpoint (resumes add to it)
+    # The training clock of time to accuracy (labavg.training.cv_check): wall seconds of
+    # training from the run's first minibatch, every CV pass left out; resumes add to it.
+    train_seconds: float = 0.0
     epoch_sums: torch.Tensor = field(  # this epoch's [summed loss, correct, frames]
         default_factory=lambda: torch.zeros(3, dtype=torch.float64)
     )
