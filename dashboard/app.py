@@ -37,6 +37,7 @@ from dashboard.jobs import JobRegistry, server_jobs  # noqa: E402
 from dashboard.live import LiveRun  # noqa: E402
 from dashboard.live_view import LivePlots  # noqa: E402
 from dashboard.notebook import serve_styles_locally  # noqa: E402
+from dashboard.plan_view import PlanView  # noqa: E402
 from dashboard.runs_view import RunsView  # noqa: E402
 from dashboard.scaling_view import ScalingView  # noqa: E402
 from dashboard.runs_table import RunTable  # noqa: E402
@@ -80,6 +81,7 @@ class Dashboard:
         self.runs = RunsView(self.table)
         self.scaling = ScalingView(self.table, self.settings)
         self.controls = RunControls(self.settings, self.live)
+        self.plan = PlanView(self.table, self.settings, self.live)
         pn.bind(lambda runs_dir: setattr(self.table, "runs_dir", runs_dir),
                 self.settings.param.runs_dir, watch=True)
         # The table is rescanned when what it lists can have changed: another runs directory,
@@ -106,8 +108,9 @@ class Dashboard:
         # dynamic: a tab's plots are drawn when it is shown, not all of them with the page (9
         # HoloViews plots took most of a first load's 25 s under load) nor on each rescan.
         tabs = pn.Tabs(("Live", self.plots), ("Runs", self.runs), ("Scaling", self.scaling),
-                       ("Communication", self.runs.communication_view()),
+                       ("Plan", self.plan), ("Communication", self.runs.communication_view()),
                        dynamic=True, sizing_mode="stretch_width")
+        self.plan.show_live = lambda: setattr(tabs, "active", 0)  # its train button's run
         return pn.Column(self.controls.status_view(), tabs, sizing_mode="stretch_width")
 
     def view(self) -> pn.template.FastListTemplate:
