@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from labavg.base.events import Averaged, EpochDone, Event, MinibatchDone
+from labavg.base.events import Averaged, CVChecked, EpochDone, Event, MinibatchDone
 
 # How a plot draws the ranks: EACH a curve per rank and their mean (the series' values are
 # per rank); MEAN and SUM one curve per series over the ranks; RANK0 rank 0's events only.
@@ -60,6 +60,9 @@ class LivePlot:
     # Shown for every run (None), only for an elastic one (True: workers leave and join), or
     # only for a run of fixed N (False: the speedup, which an elastic run does not measure).
     elastic: bool | None = None
+    # Drawn on the figure of the plot of this name, not on one of its own: another feed of
+    # the same axes (the CV checks inside epochs, on the accuracy plot of the epoch ends).
+    onto: str | None = None
 
     def x_value(self, event: Event) -> float:
         """The event's x in this plot."""
@@ -113,4 +116,8 @@ LIVE_PLOTS: tuple[LivePlot, ...] = (
              (Series("cv_acc_pct", "CV", lambda e: 100 * e.cv_frame_accuracy),
               Series("train_acc_pct", "train", lambda e: 100 * e.train_frame_accuracy)),
              ranks=RANK0, draw=ACCURACY, x_of=lambda e: e.epoch + 1),
+    # `cv_every`'s checks, at the epochs trained so far (the epoch ends' included, at 1, 2..).
+    LivePlot("cv_checks", CVChecked, "epochs",
+             (Series("cv_check_pct", "CV checks", lambda e: 100 * e.cv_frame_accuracy),),
+             ranks=RANK0, draw=ACCURACY, onto="cv"),
 )

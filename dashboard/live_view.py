@@ -127,7 +127,7 @@ class LivePlots(pn.viewable.Viewer):
                                                    styles=dict(FLEX_ITEM))
                       if plot.draw in (SPEEDUP, ACCURACY) else
                       pn.pane.Bokeh(None, sizing_mode="stretch_width", height=PLOT_HEIGHT + 10)
-                      for plot in plots}
+                      for plot in plots if plot.onto is None}
         self.speedup_line = pn.pane.Markdown("", sizing_mode="stretch_width", margin=(0, 10),
                                              styles={"font-size": "0.9em"})
         self._generation = live.generation
@@ -155,14 +155,15 @@ class LivePlots(pn.viewable.Viewer):
         missing = [p.name for p in self.plots if p.shown(self.elastic) and p.name not in self.figures]
         for plot in self.plots:
             if plot.name in missing:
-                self.figures[plot.name] = figure_of(plot, self.ranks, self.maxlen)
+                self.figures[plot.name] = self._figure(plot, self.ranks)
         if missing:
             self._show(missing)
             self._speedup_shown = None
             self._settle = _SETTLE_FLUSHES if self._shown else self._settle
         # The plots' box takes the panes of this kind of run. (Not the panes' `visible`: set
         # on a bokeh pane on a served page, Panel re-read the figure's stylesheets and raised.)
-        shown = [self.panes[plot.name] for plot in self.plots if plot.shown(self.elastic)]
+        shown = [self.panes[plot.name] for plot in self.plots
+                 if plot.shown(self.elastic) and plot.name in self.panes]
         if shown != list(self.flex.objects):
             self.flex.objects = shown
 
@@ -187,11 +188,17 @@ class LivePlots(pn.viewable.Viewer):
                  if (every or plot.per_rank) and plot.shown(self.elastic)]
         for plot in self.plots:
             if plot.name in built:
-                self.figures[plot.name] = figure_of(plot, ranks, self.maxlen)
+                self.figures[plot.name] = self._figure(plot, ranks)
         self._show(built)
 
+    def _figure(self, plot: LivePlot, ranks: int) -> Any:
+        # A plot drawn onto another's figure shares it (LIVE_PLOTS lists that one first).
+        shared = self.figures.get(plot.onto) if plot.onto else None
+        return shared if shared is not None else figure_of(plot, ranks, self.maxlen)
+
     def _show(self, names: list[str]) -> None:
-        for name in [n for n in names if n in self.figures] if self._shown else ():
+        drawn = [n for n in names if n in self.figures and n in self.panes]
+        for name in drawn if self._shown else ():
             self.panes[name].object = self.figures[name].element
 
     def __getattr__(self, name: str) -> Any:

@@ -179,42 +179,57 @@ class StreamedCurves:
 
 
 class AccuracyPlot:
-    """Rank 0's CV and training frame accuracy at each epoch's end: a few points per run, so
-    the whole frame goes to an `hv.streams.Pipe` on each new epoch (the axes follow it)."""
+    """Rank 0's CV and training frame accuracy at each epoch's end, and the CV checks inside
+    epochs (`cv_every`) at the epochs trained so far: a few points per run, so the whole of
+    both frames goes to an `hv.streams.Pipe` on each new point (the axes follow it)."""
 
     COLUMNS = ("epoch", "cv_acc_pct", "train_acc_pct")
+    CHECK_COLUMNS = ("epochs", "cv_check_pct")
 
     def __init__(self, maxlen: int = 5000) -> None:
         self.maxlen = maxlen
         self.data = pd.DataFrame({c: [] for c in self.COLUMNS}, dtype=float)
-        self.pipe = hv.streams.Pipe(data=self.data)
+        self.checks = pd.DataFrame({c: [] for c in self.CHECK_COLUMNS}, dtype=float)
+        self.pipe = hv.streams.Pipe(data=(self.data, self.checks))
 
         def draw(data):
+            epochs, checks = data
             dim = hv.Dimension("cv_acc_pct", label="frame accuracy (%)")
-            acc = hv.Curve(data, "epoch", dim, label="CV")
-            train = hv.Curve(data, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy (%)"),
+            acc = hv.Curve(epochs, "epoch", dim, label="CV")
+            train = hv.Curve(epochs, "epoch", hv.Dimension("train_acc_pct", label="frame accuracy (%)"),
                              label="train")
-            points = hv.Scatter(data, "epoch", dim)
+            points = hv.Scatter(epochs, "epoch", dim)
+            inside = hv.Curve(checks.rename(columns={"epochs": "epoch", "cv_check_pct": "cv_acc_pct"}),
+                              "epoch", dim, label="CV checks")
+            # Checks start inside the first epoch: the axis then starts at 0, not at epoch 1.
+            low = 0.0 if len(checks) else 0.5
+            high = max(1.5, len(epochs) + 0.5, float(checks["epochs"].max()) + 0.1 if len(checks) else 0)
             # framewise: the whole frame is replaced on each epoch, so the axes must follow it.
             return (acc.opts(color="#9467bd", framewise=True)
                     * points.opts(color="#9467bd", size=7, framewise=True)
+                    * inside.opts(color="#9467bd", alpha=0.6, line_width=1, framewise=True)
                     * train.opts(color="#7f7f7f", line_dash="dashed", framewise=True)).opts(
                 **_plot_opts("Frame accuracy", "epoch", "frame accuracy (%)", framewise=True,
                              legend_position="top_left", ylim=ACCURACY_RANGE,
-                             xlim=(0.5, max(1.5, len(data) + 0.5)), **count_axis()))
+                             xlim=(low, high), **count_axis()))
 
         self.element = hv.DynamicMap(draw, streams=[self.pipe])
 
     def stream(self, rows: pd.DataFrame) -> None:
-        """Add rows (epoch, CV and training accuracy in %) and redraw."""
-        if len(rows):
+        """Add rows, of the epoch ends (epoch, CV and training accuracy in %) or of the checks
+        (epochs, CV accuracy in %), and redraw."""
+        if not len(rows):
+            return
+        if "cv_check_pct" in rows.columns:
+            self.checks = pd.concat([self.checks, rows], ignore_index=True).iloc[-self.maxlen:]
+        else:
             self.data = pd.concat([self.data, rows], ignore_index=True).iloc[-self.maxlen:]
-            self.pipe.send(self.data)
+        self.pipe.send((self.data, self.checks))
 
     def clear(self) -> None:
         """No epoch yet (a new run)."""
-        self.data = self.data.iloc[0:0]
-        self.pipe.send(self.data)
+        self.data, self.checks = self.data.iloc[0:0], self.checks.iloc[0:0]
+        self.pipe.send((self.data, self.checks))
 
 
 SPEEDUP_TICKS = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)

@@ -1099,3 +1099,36 @@ def test_ticking_one_more_run_rereads_only_the_logs_that_changed(finished_runs, 
     assert read == [*names, names[0]]
     assert len(again[names[0]]["loss"]) < len(both[names[0]]["loss"])
     assert again[names[1]] == both[names[1]]
+
+
+def test_cv_checks_inside_epochs_are_drawn_on_the_accuracy_plot():
+    """`cv_every`'s checks (events 'cv') go on the accuracy plot of the epoch ends, at the
+    epochs trained so far, its axis from 0; the epoch ends keep their own points."""
+    import holoviews as hv
+
+    from dashboard.live_plots import LIVE_PLOTS
+    from dashboard.live_view import LivePlots, rows_of
+    from labavg.base.events import CVChecked, EpochDone
+
+    buffers = RunBuffers(2)
+    for rank in (0, 1):
+        for step, epochs, accuracy in ((4, 0.5, 0.3), (8, 1.0, 0.4), (12, 1.5, 0.45)):
+            buffers.add(CVChecked(rank=rank, epoch=int(epochs - 0.01), step=step, epochs=epochs,
+                                  cv_loss=2.0, cv_frame_accuracy=accuracy, train_seconds=step,
+                                  cv_seconds=0.1, epoch_end=epochs == 1.0))
+        buffers.add(EpochDone(rank=rank, epoch=0, step=8, train_loss=2.0,
+                              train_frame_accuracy=0.35, cv_loss=2.0, cv_frame_accuracy=0.4,
+                              lr=0.01, accepted=True, seconds=1.0))
+    plots = LivePlots(LiveRun())
+    assert plots.cv_checks is plots.cv and "cv_checks" not in plots.panes  # one figure
+    for plot in LIVE_PLOTS:
+        if plot.name in ("cv", "cv_checks"):
+            plots.figures[plot.name].stream(rows_of(plot, buffers))
+    assert plots.cv.checks["epochs"].tolist() == [0.5, 1.0, 1.5]
+    assert plots.cv.checks["cv_check_pct"].tolist() == pytest.approx([30, 40, 45])
+    assert plots.cv.data["cv_acc_pct"].tolist() == pytest.approx([40])
+    figure = hv.render(plots.cv.element)
+    assert figure.x_range.start == 0 and figure.x_range.end >= 1.6
+    assert "CV checks" in [item.label["value"] for item in figure.legend[0].items]
+    plots.cv.clear()
+    assert len(plots.cv.checks) == 0 and len(plots.cv.data) == 0
