@@ -95,18 +95,24 @@ def test_the_clock_leaves_the_checks_out(corpus, tmp_path):
     assert ours[-1].train_seconds + sum(c.cv_seconds for c in ours) < finished.wall_seconds
 
 
-def test_a_resumed_run_checks_at_the_same_steps(corpus, tmp_path):
-    whole = _config(corpus, tmp_path / "whole", cv_every=5)
+@pytest.mark.parametrize("every, stop, round_", [(5, 7, 9), (6, 4, 6)],
+                         ids=["between", "at-a-check"])
+def test_a_resumed_run_checks_at_the_same_steps(corpus, tmp_path, every, stop, round_):
+    """Stopped at the round after `stop` (K = 3: step 9, or step 6, a check's step, where the
+    stop skips the check and the resume takes it), then resumed to the end."""
+    whole = _config(corpus, tmp_path / "whole", cv_every=every)
     run_training(whole, progress=False)
-    cut = _config(corpus, tmp_path / "cut", cv_every=5)
-    stopped_then_resumed(cut, at_step=7)
+    cut = _config(corpus, tmp_path / "cut", cv_every=every)
+    stopped_then_resumed(cut, at_step=stop)
     assert _final(tmp_path / "cut") == _final(tmp_path / "whole")
-    steps = _expected_steps(tmp_path / "whole", 5, 2)
+    steps = _expected_steps(tmp_path / "whole", every, 2)
+    assert [e.step for e in _events(tmp_path / "cut") if e.type == "message" and e.rank == 0
+            and e.text == "stopped on request"] == [round_]
     for rank in (0, 1):
         # A resume goes on from its checkpoint: the steps from there are checked again.
         assert sorted({c.step for c in _checks(tmp_path / "cut")[rank]}) == steps
-    resumed = [c for c in _checks(tmp_path / "cut")[0]]
-    assert resumed[-1].train_seconds > resumed[0].train_seconds
+    resumed = _checks(tmp_path / "cut")[0]
+    assert resumed[-1].train_seconds > resumed[0].train_seconds  # the clock goes on
 
 
 @pytest.mark.parametrize("value", [-1, 10**9 + 1])
@@ -136,3 +142,31 @@ def test_two_mpi_ranks_check_as_the_in_process_ones(corpus, tmp_path):
         tmp_path / "mpi", 4, 1)
     assert ([c.cv_frame_accuracy for c in mpi[0]]
             == pytest.approx([c.cv_frame_accuracy for c in inproc[0]]))
+
+
+@pytest.mark.slow
+def test_an_elastic_run_checks_among_the_workers_present(corpus, tmp_path):
+    """torchft's elastic communicator: every collective is a round among the workers present.
+    A worker lost at step 20 leaves; the others check at the same steps as before, over the
+    whole CV set split among them, and train the same model as without the checks."""
+    runs = {}
+    for every in ("0", "7"):
+        out = tmp_path / f"cv{every}"
+        done = subprocess.run(
+            [sys.executable, "-m", "labavg", "train", "--data", str(corpus), "--out", str(out),
+             "--hidden-layers", "2", "--hidden-dim", "64", "--minibatch", "32", "--no-progress",
+             "--speedup-pairs", "0", "--backend", "torch", "--average-every", "5", "--ranks",
+             "3", "--epochs", "1", "--cv-every", every, "--set", 'on_rank_loss="continue"',
+             "--set", 'inject_fault="kill@rank2:step20"', "--set", "tensorboard=false"],
+            capture_output=True, text=True, env=child_env(), timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "rank 2 left the job" in done.stderr
+        runs[every] = out
+    assert _final(runs["7"]) == _final(runs["0"])
+    checks = _checks(runs["7"])
+    steps = _expected_steps(runs["7"], 7, 1)
+    assert [c.step for c in checks[0]] == [c.step for c in checks[1]] == steps
+    assert [c.step for c in checks[2]] == [7, 14]  # lost after step 20
+    for mine, other in zip(checks[0], checks[1]):
+        assert mine.cv_frame_accuracy == other.cv_frame_accuracy and 0 < mine.cv_loss
+    assert [c.cv_frame_accuracy for c in checks[2]] == [c.cv_frame_accuracy for c in checks[0][:2]]

@@ -79,6 +79,8 @@ def train_rank(
     start_clock(run)
     if run.joining:
         yield from _join(run)
+    elif run.progress.step:  # resumed: a stop at a check's step skipped the check there
+        yield from check_if_due(run)
     while run.progress.step < run.total_steps and not run.stopped:
         epoch, start = run.layout.position(run.progress.step)
         reached_end = yield from _train_epoch(run, epoch, start)
