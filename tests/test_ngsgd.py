@@ -17,20 +17,22 @@ from labavg.base.errors import UserError
 from labavg.training.model import DNN, ModelConfig
 from labavg.optim.factory import make_optimizer
 from labavg.optim.max_change import per_sample_scale
-from labavg.optim.natural_gradient import (
+from labavg.optim.fisher_update import (
     FisherState,
-    OnlineNaturalGradient,
     compute_beta,
     compute_et,
     compute_wt1,
     compute_zt,
-    effective_rank,
     eta,
+    reorthogonalize_rt1,
+)
+from labavg.optim.natural_gradient import (
+    OnlineNaturalGradient,
+    effective_rank,
     init_default,
     init_orthonormal_special,
     is_updating,
     precondition_directions,
-    reorthogonalize_rt1,
 )
 from labavg.optim.ngsgd import NGSGD
 from labavg.optim.sgd import SGD

@@ -39,13 +39,14 @@ def per_sample_scale(
     `in_row_sq` / `out_row_sq` are the squared 2-norms of each frame's (preconditioned) input
     and output derivative; `lr_scale` is the learning rate times any scale the update gets.
     Returns a 0-d tensor on the rows' device (no host sync); it is NaN when the rows are.
+    Several layers' rows stacked ([L, N], `lr_scale` [L]) give the L layers' factors.
     """
-    ones = torch.ones((), dtype=in_row_sq.dtype, device=in_row_sq.device)
+    ones = torch.ones(in_row_sq.shape[:-1], dtype=in_row_sq.dtype, device=in_row_sq.device)
     if max_change_per_sample <= 0.0:
         return ones
     # tot_change_norm = lr * sum_i sqrt(|x_i|^2 |dy_i|^2), max_change_norm = mcps * N.
-    tot_change_norm = torch.sqrt(in_row_sq * out_row_sq).sum() * lr_scale
-    max_change_norm = max_change_per_sample * in_row_sq.shape[0]
+    tot_change_norm = torch.sqrt(in_row_sq * out_row_sq).sum(-1) * lr_scale
+    max_change_norm = max_change_per_sample * in_row_sq.shape[-1]
     factor = max_change_norm / tot_change_norm
     # A NaN/inf total gives a NaN/0 factor, so the non-finite update is skipped later.
     return torch.where(tot_change_norm <= max_change_norm, ones, factor)
@@ -118,7 +119,7 @@ class LinearTap:
     def __init__(self, layers: Sequence[nn.Linear], *, skip_weight_grad: bool = False) -> None:
         self.layers = list(layers)
         self.skip_weight_grad = skip_weight_grad
-        self._records: list[list[list[torch.Tensor | None]]] = [[] for _ in self.layers]
+        self._records: list[list[list]] = [[] for _ in self.layers]
         self._toggled: dict[int, list[torch.Tensor]] = {}
         for index, layer in enumerate(self.layers):
             if skip_weight_grad:
@@ -142,7 +143,8 @@ class LinearTap:
                 if not self.skip_weight_grad:
                     return None
                 output = output.detach().requires_grad_(True)
-            record: list[torch.Tensor | None] = [inputs[0].detach(), None]
+            # [X, dY, X made by an op of the graph (not a tensor of the caller's)]
+            record: list = [inputs[0].detach(), None, inputs[0].grad_fn is not None]
             self._records[index].append(record)
 
             def keep_grad(grad: torch.Tensor) -> None:
@@ -165,6 +167,27 @@ class LinearTap:
         if len(done) == 1:
             return xs[0], dys[0]
         return torch.cat(xs), torch.cat(dys)
+
+    def owned_storages(self, exclude: Sequence[torch.Tensor] = ()) -> set[int]:
+        """Storages (data pointers) of the recorded X and dY that an optimizer may overwrite
+        once backward is done: X made inside the graph and dY, each used by one record only
+        and not by a tensor of `exclude` (e.g. other parameters' grads, which autograd may
+        alias to a dY). A layer fed twice (two records) is concatenated by `take` anyway."""
+        seen: dict[int, int] = {}
+        candidates = []
+        for records in self._records:
+            for rec in records:
+                for t, ours in ((rec[0], len(records) == 1 and rec[2]), (rec[1], len(records) == 1)):
+                    if t is None:
+                        continue
+                    ptr = t.untyped_storage().data_ptr()
+                    seen[ptr] = seen.get(ptr, 0) + 1
+                    if ours:
+                        candidates.append(ptr)
+        for t in exclude:
+            ptr = t.untyped_storage().data_ptr()
+            seen[ptr] = seen.get(ptr, 0) + 1
+        return {ptr for ptr in candidates if seen[ptr] == 1}
 
     def clear(self) -> None:
         """Forget all records (the step has used them)."""

@@ -19,43 +19,37 @@ in float64, as Kaldi does it on the CPU (in double for Z_t).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from labavg.optim.settings import NGConfig
+from labavg.optim.fisher_update import FisherJob, FisherState, compute_beta, compute_et, update_fishers
 from labavg.optim.max_change import row_sq_norms
 
 _F64 = torch.float64
 _CPU = torch.device("cpu")
 
 
-class FisherState(NamedTuple):
-    """One Fisher estimate: W_t = E_t^{1/2} R_t (device), D_t's diagonal d (CPU float64),
-    rho_t, and t, the number of minibatches preconditioned (0: not yet initialised)."""
-
-    W: torch.Tensor | None
-    d: torch.Tensor | None
-    rho: float
-    t: int
-
-
 class Preconditioned(NamedTuple):
     """Output of `precondition_directions`: X_hat (not yet times `scale`), gamma_t as a 0-d
     tensor, the squared row norms of X_hat, and the estimate to commit if the step is kept.
-    `x_hat_one` is X_hat's column for the appended 1 (`precondition_with_one` only)."""
+    `x_hat_one` is X_hat's column for the appended 1 (`precondition_with_one` only).
+
+    From `start_precondition`, `scale` is None (`gamma` gives it from `tr_x` and `tr_hat`,
+    tr(X X^T) and tr(X_hat X_hat^T)) and, on an updating minibatch, `state` is the estimate
+    not yet updated and `job` what `finish_updates` needs to update it."""
 
     x_hat: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None
     row_sq: torch.Tensor
     state: FisherState
     x_hat_one: torch.Tensor | None = None
-
-
-def eta(num_rows: int, cfg: NGConfig) -> float:
-    """Forgetting rate eta = 1 - exp(-N / num_samples_history), capped (Kaldi's Eta())."""
-    return min(1.0 - math.exp(-num_rows / cfg.num_samples_history), cfg.max_eta)
+    tr_x: torch.Tensor | None = None
+    tr_hat: torch.Tensor | None = None
+    job: FisherJob | None = None
 
 
 def is_updating(t: int, cfg: NGConfig) -> bool:
@@ -63,38 +57,10 @@ def is_updating(t: int, cfg: NGConfig) -> bool:
     return t <= cfg.num_initial_updates or (t - cfg.num_initial_updates) % cfg.update_period == 0
 
 
-def compute_et(d: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ComputeEt: e_ii = 1 / (beta / d_ii + 1) (eqn:tii); returns e, e^{1/2}, e^{-1/2}."""
-    e = 1.0 / (beta / d + 1.0)
-    sqrt_e = e.sqrt()
-    return e, sqrt_e, 1.0 / sqrt_e
-
-
-def compute_beta(rho: float, d: torch.Tensor, dim: int, alpha: float) -> float:
-    """beta_t = rho_t (1 + alpha) + alpha/D tr(D_t)  (eqn:betat2)."""
-    return rho * (1.0 + alpha) + alpha * float(d.sum()) / dim
-
-
-def compute_zt(
-    num_rows: int,
-    rho: float,
-    d: torch.Tensor,
-    inv_sqrt_e: torch.Tensor,
-    K: torch.Tensor,
-    L: torch.Tensor,
-    eta_t: float,
-) -> torch.Tensor:
-    """ComputeZt (eqn:Zt), in float64: Z_t = Y_t Y_t^T expressed through K_t and L_t."""
-    d_rho = d + rho  # diag(D_t + rho_t I)
-    eta_n = eta_t / num_rows
-    eta1 = 1.0 - eta_t
-    K = 0.5 * (K + K.T)
-    L = 0.5 * (L + L.T)
-    outer = inv_sqrt_e[:, None] * inv_sqrt_e[None, :]
-    EKE = K * outer  # E^{-1/2} K E^{-1/2}
-    ELE = L * outer  # E^{-1/2} L E^{-1/2}
-    Z = eta_n**2 * EKE + eta_n * eta1 * (ELE * d_rho[None, :] + d_rho[:, None] * ELE)
-    return Z + torch.diag(eta1**2 * d_rho**2)
+def gamma(tr_x: torch.Tensor, tr_hat: torch.Tensor) -> torch.Tensor:
+    """gamma_t = sqrt(tr(X X^T) / tr(X_hat X_hat^T)), 1 where either trace is 0 (elementwise,
+    so a stack of traces gives every estimate's at once)."""
+    return torch.where((tr_x > 0) & (tr_hat > 0), torch.sqrt(tr_x / tr_hat), 1.0)
 
 
 def init_orthonormal_special(rank: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,122 +115,24 @@ def init_state(X0: torch.Tensor, rank: int, cfg: NGConfig) -> FisherState:
     return state._replace(t=0)
 
 
-def compute_wt1(
-    num_rows: int,
-    d: torch.Tensor,
-    d1: torch.Tensor,
-    rho: float,
-    rho1: float,
-    U: torch.Tensor,
-    sqrt_c: torch.Tensor,
-    inv_sqrt_e: torch.Tensor,
-    W: torch.Tensor,
-    J: torch.Tensor,
-    eta_t: float,
-    alpha: float,
-) -> torch.Tensor:
-    """ComputeWt1: W_{t+1} = A_t B_t with
-    A_t = (eta/N) E_{t+1}^{1/2} C_t^{-1/2} U_t^T E_t^{-1/2}   (R x R, float64 on the CPU),
-    B_t = J_t + (1-eta)/(eta/N) (D_t + rho_t I) W_t           (R x D, on the device)."""
-    dim = W.shape[1]
-    beta1 = compute_beta(rho1, d1, dim, alpha)
-    _, sqrt_e1, _ = compute_et(d1, beta1)
-    eta_n = eta_t / num_rows
-    w_coeff = (1.0 - eta_t) / eta_n * (d + rho)
-    B = torch.addcmul(J, w_coeff.to(W.device, W.dtype)[:, None], W)
-    A = eta_n * (sqrt_e1 / sqrt_c)[:, None] * U.T * inv_sqrt_e[None, :]
-    return A.to(W.device, W.dtype) @ B
-
-
-def reorthogonalize_rt1(d1: torch.Tensor, rho1: float, W1: torch.Tensor, cfg: NGConfig) -> torch.Tensor:
-    """ReorthogonalizeRt1: make R_{t+1} = E^{-1/2} W_{t+1} orthonormal again.
-
-    O = R R^T = C C^T (Cholesky); W <- (E^{1/2} C^{-1} E^{-1/2}) W, which leaves the first
-    (largest-eigenvalue) rows' directions alone. Falls back to Gram-Schmidt (QR here) when
-    Cholesky fails or C^{-1} is out of range, as Kaldi does.
-    """
-    rank, dim = W1.shape
-    beta1 = compute_beta(rho1, d1, dim, cfg.alpha)
-    _, sqrt_e1, inv_sqrt_e1 = compute_et(d1, beta1)
-    O = (W1 @ W1.T).to(_CPU, _F64) * (inv_sqrt_e1[:, None] * inv_sqrt_e1[None, :])
-    eye = torch.eye(rank, dtype=_F64)
-    if float((O - eye).abs().max()) <= cfg.orthogonality_threshold:  # O.IsUnit(threshold)
-        return W1
-    C, info = torch.linalg.cholesky_ex(O)
-    ok = int(info) == 0
-    if ok:
-        C_inv = torch.linalg.solve_triangular(C, eye, upper=False)
-        ok = bool(torch.isfinite(C_inv).all()) and float(C_inv.max()) < 100.0
-    if not ok:
-        Q, Rq = torch.linalg.qr(W1.to(_CPU, _F64).T)  # Gram-Schmidt of W's rows, in order
-        signs = torch.where(torch.diagonal(Rq) < 0, -1.0, 1.0).to(_F64)
-        R1 = (Q * signs[None, :]).T
-        return (sqrt_e1[:, None] * R1).to(W1.device, W1.dtype)
-    M = sqrt_e1[:, None] * C_inv * inv_sqrt_e1[None, :]
-    return M.to(W1.device, W1.dtype) @ W1
-
-
-def _update_fisher(
-    J: torch.Tensor,
-    H: torch.Tensor,
-    tr_X: float,
-    num_rows: int,
-    state: FisherState,
-    rank: int,
-    cfg: NGConfig,
-) -> FisherState:
-    """The updating half of PreconditionDirectionsInternal: the power-method step
-    Y = R T, Z = Y Y^T = U C U^T, R' = C^{-1/2} U^T Y, D' = C^{1/2} - rho' I.
-
-    Takes J_t = H_t^T X_t (R x D) rather than X, so a caller that appends a column of ones
-    to X analytically can supply J without materialising [X, 1]."""
-    dim = J.shape[1]
-    W, d, rho = state.W, state.d, state.rho
-    eta_t = eta(num_rows, cfg)
-    if num_rows > dim:
-        # L_t = W_t J_t^T and K_t = J_t J_t^T in one product (Kaldi's compute_lk_together).
-        LK = torch.cat([W, J]) @ J.T
-    else:
-        LK = torch.cat([H.T @ H, J @ J.T])  # L_t = H_t^T H_t, K_t = J_t J_t^T
-    LK = LK.to(_CPU, _F64)
-    if not (bool(torch.isfinite(LK).all()) and math.isfinite(tr_X)):
-        return state  # a NaN would poison the estimate for good; that step is skipped anyway
-    L, K = LK[:rank], LK[rank:]
-    tr_d = float(d.sum())
-    beta = rho * (1.0 + cfg.alpha) + cfg.alpha * tr_d / dim  # compute_beta, without a 2nd sum
-    _, _, inv_sqrt_e = compute_et(d, beta)
-    Z = compute_zt(num_rows, rho, d, inv_sqrt_e, K, L, eta_t)
-    # Z_t is proportional to the fourth power of the data: scale before the eigensolver.
-    z_scale = max(1.0, float(torch.trace(Z)))
-    c, U = torch.linalg.eigh(Z / z_scale)
-    c, U = c.flip(0) * z_scale, U.flip(1)  # SortSvd: largest first
-    c_first, c_last = c[0].item(), c[-1].item()  # CPU tensors: no device sync
-    must_reorthogonalize = c_first > cfg.condition_threshold * c_last
-    c_floor = (rho * (1.0 - eta_t)) ** 2
-    if c_last < c_floor:  # c is sorted, so its last entry is its smallest
-        must_reorthogonalize = True
-        c = c.clamp(min=c_floor)
-    sqrt_c = c.sqrt()
-    # (eqn:rhot1): rho_{t+1} = 1/(D-R) (eta/N tr(X X^T) + (1-eta)(D rho_t + tr D_t) - tr C^{1/2})
-    rho1 = (
-        eta_t / num_rows * tr_X + (1.0 - eta_t) * (dim * rho + tr_d) - float(sqrt_c.sum())
-    ) / (dim - rank)
-    d1 = sqrt_c - rho1  # (eqn:dt1): D_{t+1} = C_t^{1/2} - rho_{t+1} I
-    floor_val = max(cfg.epsilon, cfg.delta * float(sqrt_c[0]))  # sqrt_c[0] is its largest
-    rho1 = max(rho1, floor_val)
-    d1 = d1.clamp(min=floor_val)
-    W1 = compute_wt1(num_rows, d, d1, rho, rho1, U, sqrt_c, inv_sqrt_e, W, J, eta_t, cfg.alpha)
-    if must_reorthogonalize:
-        W1 = reorthogonalize_rt1(d1, rho1, W1, cfg)
-    return FisherState(W=W1, d=d1, rho=rho1, t=state.t)
-
-
 def append_one(X: torch.Tensor) -> torch.Tensor:
     """[X, 1]: the input with nnet2's column of ones for the bias."""
     return F.pad(X, (0, 1), value=1.0)
 
 
-def _precondition(
+def _fisher_job(J: torch.Tensor, H: torch.Tensor, tr_X: torch.Tensor, state: FisherState) -> FisherJob:
+    """The device half of an update: L_t and K_t to the CPU in float64 (J_t is given so that
+    a caller appending a column of ones to X analytically need not build [X, 1])."""
+    num_rows, dim = H.shape[0], J.shape[1]
+    if num_rows > dim:
+        # L_t = W_t J_t^T and K_t = J_t J_t^T in one product (Kaldi's compute_lk_together).
+        LK = torch.cat([state.W, J]) @ J.T
+    else:
+        LK = torch.cat([H.T @ H, J @ J.T])  # L_t = H_t^T H_t, K_t = J_t J_t^T
+    return FisherJob(state, J, LK.to(_CPU, _F64), tr_X, num_rows, state.t + 1)
+
+
+def start_precondition(
     X: torch.Tensor,
     state: FisherState,
     rank: int,
@@ -272,21 +140,24 @@ def _precondition(
     *,
     with_one: bool,
     need_output: bool = True,
+    overwrite: bool = False,
 ) -> Preconditioned:
-    """`precondition_directions` of X, or of [X, 1] when `with_one`, without building [X, 1].
+    """`precondition_directions` of X, or of [X, 1] when `with_one`, without building [X, 1],
+    and with its Fisher update left to `finish_updates` (`job`) and gamma to `gamma`.
+    `overwrite`: X_hat is written into X (no copy of X; for a caller that owns X).
 
     With W = [W_x, w_1] (the last column belongs to the 1): H = X W_x^T + 1 w_1^T,
     X_hat = [X - H W_x, 1 - H w_1], tr([X,1][X,1]^T) = tr(X X^T) + N and J = [H^T X, H^T 1].
     """
     num_rows, dim_x = X.shape
     dim = dim_x + 1 if with_one else dim_x
-    one = torch.ones((), dtype=X.dtype, device=X.device)
     if dim == 1:
-        # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case)
+        # a 1-dim space: NG with rescaling is a no-op (Kaldi's special case); zero traces
+        # give gamma 1
         full = append_one(X) if with_one else X
-        return Preconditioned(
-            X, one, row_sq_norms(full), state._replace(t=state.t + 1), full[:, -1] if with_one else None
-        )
+        zero = torch.zeros((), dtype=X.dtype, device=X.device)
+        return Preconditioned(X, None, row_sq_norms(full), state._replace(t=state.t + 1),
+                              full[:, -1] if with_one else None, zero, zero)
     rank = effective_rank(rank, dim)
     if state.t == 0 or state.W is None:
         state = init_state(append_one(X) if with_one else X, rank, cfg)
@@ -299,24 +170,40 @@ def _precondition(
     else:
         W_x, w_1 = W, None
         H = X @ W.T  # H_t = X_t W_t^T  (N x R)
-    next_state = state
+    job = None
     if is_updating(state.t, cfg):
         J = H.T @ X  # J_t = H_t^T X_t  (R x D)
         if with_one:
             J = torch.cat([J, H.sum(0)[:, None]], dim=1)
-        next_state = _update_fisher(J, H, float(tr_X_t), num_rows, state, rank, cfg)
-    next_state = next_state._replace(t=state.t + 1)
+        job = _fisher_job(J, H, tr_X_t, state)
+    next_state = state._replace(t=state.t + 1)
     if not need_output:
-        return Preconditioned(X, one, one, next_state)
-    X_hat = torch.addmm(X, H, W_x, alpha=-1.0)  # X_hat_t = X_t - H_t W_t
+        return Preconditioned(X, None, tr_X_t, next_state, None, tr_X_t, tr_X_t, job)
+    # X_hat_t = X_t - H_t W_t
+    X_hat = X.addmm_(H, W_x, alpha=-1.0) if overwrite else torch.addmm(X, H, W_x, alpha=-1.0)
     row_sq = row_sq_norms(X_hat)
     x_hat_one = None
     if with_one:
+        one = torch.ones((), dtype=X.dtype, device=X.device)
         x_hat_one = torch.addmv(one, H, w_1, alpha=-1.0)  # 1 - H_t w_1
         row_sq = torch.addcmul(row_sq, x_hat_one, x_hat_one)
-    tr_hat = row_sq.sum()
-    scale = torch.where((tr_X_t > 0) & (tr_hat > 0), torch.sqrt(tr_X_t / tr_hat), one)
-    return Preconditioned(X_hat, scale, row_sq, next_state, x_hat_one)
+    return Preconditioned(X_hat, None, row_sq, next_state, x_hat_one, tr_X_t, row_sq.sum(), job)
+
+
+def finish_updates(results: Sequence[Preconditioned], cfg: NGConfig) -> list[FisherState]:
+    """The estimates to commit for `start_precondition`'s results: those of updating
+    minibatches updated together (labavg.optim.fisher_update), the others as they are."""
+    jobs = [r.job for r in results if r.job is not None]
+    updated = iter(update_fishers(jobs, cfg)) if jobs else iter(())
+    return [next(updated) if r.job is not None else r.state for r in results]
+
+
+def _precondition(X: torch.Tensor, state: FisherState, rank: int, cfg: NGConfig, *,
+                  with_one: bool, need_output: bool = True) -> Preconditioned:
+    """`start_precondition` finished: the estimate updated, gamma computed."""
+    result = start_precondition(X, state, rank, cfg, with_one=with_one, need_output=need_output)
+    (next_state,) = finish_updates([result], cfg)
+    return result._replace(scale=gamma(result.tr_x, result.tr_hat), state=next_state, job=None)
 
 
 def precondition_directions(
