@@ -144,3 +144,41 @@ def test_info_into_a_closed_pipe_exits_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
     assert err == "", err
+
+
+def test_info_shows_the_whole_process_time_beside_the_training_wall(corpus, tmp_path, capsys):
+    """A real `labavg train` (its own process, 1 rank): summary.json records the command's whole
+    time from its process's start, which `labavg info` and `--json` show beside the training
+    loop's wall; it holds the loop and start-up, so it is the larger (issue 45)."""
+    import subprocess
+    import sys
+
+    from test_train import SMALL
+
+    out = tmp_path / "r1"
+    proc = subprocess.run([sys.executable, "-m", "labavg", "train", "--data", str(corpus),
+                           "--out", str(out), *SMALL], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, lines, err = _info(capsys, out)
+    assert code == 0, err
+    header = _cells(lines[0])
+    row = dict(zip(header, _cells(lines[2])))
+    assert header.index("process s") == header.index("wall s") + 1
+    assert float(row["process s"]) >= float(row["wall s"]) > 0
+    summary = json.loads(_json_of(capsys, out))
+    assert summary["process_seconds"] >= summary["wall_seconds"] > 0
+
+
+def _json_of(capsys, path: Path) -> str:
+    assert main(["info", "--json", str(path)]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_summary_from_before_the_process_time_reads_and_shows_none(runs, capsys):
+    code, lines, err = _info(capsys, runs / "k10")
+    assert code == 0 and not err
+    row = dict(zip(_cells(lines[0]), _cells(lines[2])))
+    assert row["wall s"] == "25.0" and row["process s"] == "-"
+    assert main(["info", "--json", str(runs / "k10")]) == 0
+    assert json.loads(capsys.readouterr().out)["process_seconds"] is None

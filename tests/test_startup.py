@@ -4,6 +4,7 @@ the methods' declarations (labavg.averaging.registry), never the classes that im
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,41 @@ def test_each_knob_names_a_setting_of_its_table():
     for m in METHODS.values():
         if m.knob is not None:
             assert m.knob in {f.name for f in dataclasses.fields(m.settings)}, m.method
+
+
+# The launcher of a job, in a fresh interpreter: its ranks list their imports (the environment
+# they inherit asks for -X importtime), it does not; then it says whether torch was imported.
+JOB_PROBE = """
+import os, sys
+os.environ["PYTHONPROFILEIMPORTTIME"] = "1"  # for the ranks only: this process has started
+from labavg.cli.main import main
+code = main(sys.argv[1:])
+sys.stderr.write("\\nTORCH-LOADED=%s\\n" % ("torch" in sys.modules))
+sys.exit(code)
+"""
+
+
+def test_a_jobs_launcher_imports_no_torch_and_its_ranks_no_table(corpus, tmp_path):
+    """A real 2-rank MPI job started by `labavg train`: the launcher checks the settings and
+    the data, holds the lock and waits, none of which needs torch (issue 45: its import was a
+    second of the job's start-up); the ranks import torch and MPI, but not the command line nor
+    tabulate, which only the launcher's table needs."""
+    from test_train import SMALL
+
+    out = tmp_path / "mpi"
+    proc = subprocess.run([sys.executable, "-c", JOB_PROBE, "train", "--data", str(corpus),
+                           "--out", str(out), "--ranks", "2", "--backend", "mpi", *SMALL],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("TORCH-LOADED=False")
+    imported = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)$", proc.stderr, re.MULTILINE)
+    assert imported.count("torch") == 2 and imported.count("mpi4py.MPI") == 2  # one per rank
+    assert imported.count("labavg.jobs.runs") == 2
+    unneeded = [name for name in imported
+                if name.split(".")[0] in ("tabulate", "wcwidth") or name.startswith("labavg.cli")]
+    assert not unneeded
+    # Rank 0 wrote the run's end after rank 1 had ended (a rank that ends skips the
+    # interpreter's teardown, but not what its launcher must hear: labavg.comm.launchers).
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "final.pt").is_file()
+    assert summary["process_seconds"] >= summary["wall_seconds"] > 0

@@ -28,7 +28,9 @@ FILE_KEYS = (
     "speedup_high speedup_bound speedup_flag parallel_efficiency speedup_text resumed wer wer_ci "
     "per per_ci acwt decode_set "
     # Appended since (an elastic run's membership): the keys before keep their order.
-    "worker_steps worker_counts frames_untrained").split()
+    "worker_steps worker_counts frames_untrained "
+    # The whole command's time (issue 45).
+    "process_seconds").split()
 
 
 def _end(**finished) -> RunEnd:

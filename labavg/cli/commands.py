@@ -100,6 +100,14 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
+def process_start() -> float:
+    """The Unix time this process started: a run's process_seconds counts the interpreter's
+    start and the imports too, which no clock read later in the process sees."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from labavg.comm.launchers import detect_launcher
     from labavg.jobs.job_outcome import JobFailed
@@ -121,14 +129,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         except UserError as exc:
             raise said_by_rank_0(exc) from None
         summary = run_rank(cfg, resume=bool(args.resume), progress=progress,
-                           allow_pipes=args.allow_pipes)
+                           allow_pipes=args.allow_pipes, since=process_start())
     else:
         cfg = train_config(args)
         try:
             # SIGINT and SIGTERM end it through labavg.cli.signals, whatever ran it.
             summary = start_run(cfg, resume=bool(args.resume), allow_pipes=args.allow_pipes,
-                                hosts=args.hosts, progress=progress,
-                                launcher=args.launcher).result()
+                                hosts=args.hosts, progress=progress, launcher=args.launcher,
+                                since=process_start()).result()
         except JobFailed as exc:  # its ranks have said why
             return exc.code
     if summary is not None:

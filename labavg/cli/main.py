@@ -23,17 +23,25 @@ from labavg.jobs.exit_status import exit_status
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
-    from labavg.cli.commands import rerun_command
+    """Run the command line; return the exit status. Run as the process's own command (no
+    `argv`: the `labavg` script, `python -m labavg`), a `labavg train` that succeeded ends the
+    process at once (labavg.comm.launchers.end_process_now), without torch's teardown."""
+    from labavg.cli.commands import cmd_train, rerun_command
     from labavg.cli.signals import answer_signals
 
+    whole_process = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     rerun = rerun_command(args, argv)
     if rerun is None:
         return exit_status(lambda: args.func(args))
     # A long command: every signal answered by one policy (labavg.cli.signals).
-    return exit_status(lambda: answer_signals(rerun, lambda: args.func(args)))
+    code = exit_status(lambda: answer_signals(rerun, lambda: args.func(args)))
+    if whole_process and args.func is cmd_train:
+        from labavg.comm.launchers import end_process_now
+
+        end_process_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tabulate import tabulate
-
 Row = Mapping[str, Any]
 
 # What a column's attribute path starts at: the run's RunSummary, or its TrainConfig.
@@ -184,6 +182,8 @@ COLUMNS: dict[str, Column] = {c.key: c for c in (
     Column("steps", "updates per worker", source="summary.steps", digits=0),
     Column("averaging_rounds", "averaging rounds", source="summary.averaging_rounds"),
     Column("wall_seconds", "wall s", "s", source="summary.wall_seconds", digits=1),
+    # The whole command's time beside the training loop's: the difference is start-up and end.
+    Column("process_seconds", "process s", "s", source="summary.process_seconds", digits=1),
     Column("compute_seconds", "compute s", "s", source="summary.compute_seconds", digits=1),
     Column("comm_seconds", "comm s", "s", source="summary.comm_seconds", digits=1),
     Column("comm_pct", "comm %", "%", source="summary.comm_fraction", scale=100, digits=1),
@@ -218,6 +218,10 @@ def csv_row(keys: Sequence[str], row: Row) -> dict[str, Any]:
 
 def markdown_table(keys: Sequence[str], rows: Iterable[Row]) -> str:
     """A GitHub pipe table of run rows (tabulate); each cell as its column shows it."""
+    # Here, not above: tabulate brings importlib.metadata and wcwidth (0.1-0.25 s), which a
+    # job's ranks, writing their run's record but printing no table, never need.
+    from tabulate import tabulate
+
     chosen = columns(keys)
     cells = [[c.cell(row) for c in chosen] for row in rows]
     return tabulate(cells, headers=[c.title for c in chosen], tablefmt="github",

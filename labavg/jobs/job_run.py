@@ -26,7 +26,7 @@ from pathlib import Path
 
 from labavg.base.errors import UserError
 from labavg.base.events import Event, event_from_dict
-from labavg.base.json_files import FLAG, OBJECT, TEXT, check_fields, load_json
+from labavg.base.json_files import FLAG, NUMBER, OBJECT, TEXT, check_fields, load_json
 from labavg.base.settings import to_dict
 from labavg.base.waiting import Deadline, wait_until
 from labavg.comm.launchers import end_with_parent
@@ -41,14 +41,15 @@ interrupts_said_by_caller: contextvars.ContextVar[bool] = contextvars.ContextVar
     "labavg_interrupts_said_by_caller", default=False)
 
 LAUNCH_FILE = ".launch.json"
-LAUNCH_FIELDS = {"config": OBJECT, "resume": FLAG, "stop_file": TEXT}  # what JobRun writes
+# What JobRun writes; "since": the Unix time the command started (summary's process_seconds).
+LAUNCH_FIELDS = {"config": OBJECT, "resume": FLAG, "stop_file": TEXT, "since": NUMBER}
 RANK_MODULE = "labavg.jobs.rank_main"  # what a job's ranks run (`python -m`)
 STOP_FILE = ".stop"
 ELASTIC_STATE = ".elastic.json"  # an elastic job's lighthouse, workers and join socket, while it runs
 
 
-def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
-    """In a rank started by JobRun: (config, resume, stop file) from its launch file. The file
+def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None, float | None]:
+    """In a rank started by JobRun: (config, resume, stop file, since) from its launch file. The file
     is read back as any settings are: its shape and types checked, then every setting's rule
     (check_values), each refusal one line naming the file, before anything is trained."""
     path = Path(path)
@@ -64,7 +65,7 @@ def rank_config(path: str | Path) -> tuple[TrainConfig, bool, str | None]:
     if values.get("config") is None:
         raise UserError(f"{path}: a launch file without its config")
     cfg = check_values(config_from_dict(values["config"], str(path)))
-    return cfg, values.get("resume") is True, values.get("stop_file")
+    return cfg, values.get("resume") is True, values.get("stop_file"), values.get("since")
 
 
 def rank_argv(launch_file: Path, *, progress: bool, allow_pipes: bool) -> list[str]:
@@ -111,7 +112,7 @@ class JobRun:
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
                  hosts: str | None = None, progress: bool = False, cwd: str | Path | None = None,
-                 slurm: bool = False):
+                 slurm: bool = False, since: float | None = None):
         from labavg.jobs.index import EVENTS, EventTail
         from labavg.jobs.run_dir import LOCK_HELD_ENV, run_dir_lock
         from labavg.jobs.runs import preflight
@@ -133,7 +134,7 @@ class JobRun:
 
             atomic_write_text(launch_file, json.dumps(
                 {"config": to_dict(cfg), "resume": resume,
-                 "stop_file": str(self._stop_file.resolve())}, indent=2) + "\n")
+                 "stop_file": str(self._stop_file.resolve()), "since": since}, indent=2) + "\n")
             self._held.callback(launch_file.unlink, missing_ok=True)
             self._held.callback(self._stop_file.unlink, missing_ok=True)
             argv = rank_argv(launch_file.resolve(), progress=progress, allow_pipes=allow_pipes)

@@ -24,6 +24,7 @@ import ctypes
 import queue
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -83,7 +84,7 @@ class RunHandle(Protocol):
 
 def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = None,
               allow_pipes: bool = False, hosts: str | None = None, progress: bool = False,
-              cwd: str | Path | None = None, cluster=None) -> RunHandle:
+              cwd: str | Path | None = None, cluster=None, since: float | None = None) -> RunHandle:
     """Start `cfg` (validated here) and return its handle at once; UserError if it cannot start.
 
     `launcher` None picks by backend: threads for inproc and a local 1-rank mpi run, a job
@@ -92,7 +93,10 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
     when the backend needs no launcher. `cluster` (a labavg.jobs.cluster.Cluster) runs on its
     engines; without one, "engines" starts a cluster of cfg.ranks engines for the run.
     `allow_pipes` lets data files run commands; only the command line's --allow-pipes sets it.
+    `since` is the Unix time the run was asked for, which its summary's process_seconds
+    counts from: the command line passes its process's start; default now.
     """
+    since = time.time() if since is None else since
     cfg = validate(cfg)
     if _ending:  # an interrupted command ends its runs (end_runs): none starts after that
         raise Interrupted(_ending[0])
@@ -101,10 +105,11 @@ def start_run(cfg: TrainConfig, *, resume: bool = False, launcher: str | None = 
     if launcher == "threads":
         if cwd is not None:
             raise UserError("cwd needs processes: a thread cannot have a working directory of its own")
-        return _live(ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress))
+        return _live(ThreadRun(cfg, resume=resume, allow_pipes=allow_pipes, progress=progress,
+                               since=since))
     if launcher in ("job", "slurm"):  # slurm: srun in this allocation instead of mpiexec
         return _live(JobRun(cfg, resume=resume, allow_pipes=allow_pipes, hosts=hosts,
-                            progress=progress, cwd=cwd, slurm=launcher == "slurm"))
+                            progress=progress, cwd=cwd, slurm=launcher == "slurm", since=since))
     if launcher == "engines":
         return _live(EnginesRun(cfg, resume=resume, cluster=cluster))
     raise UserError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
@@ -172,8 +177,9 @@ class ThreadRun:
     """`run_training` on a thread of this process; its events queued for `events`."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, allow_pipes: bool = False,
-                 progress: bool = False):
+                 progress: bool = False, since: float | None = None):
         self.cfg = cfg
+        self._since = since
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._summary: RunSummary | None = None
@@ -195,7 +201,8 @@ class ThreadRun:
         try:
             self._summary = run_training(self.cfg, resume=resume, progress=progress,
                                          on_event=self._events.put,
-                                         should_stop=self._stop.is_set, allow_pipes=allow_pipes)
+                                         should_stop=self._stop.is_set, allow_pipes=allow_pipes,
+                                         since=self._since)
         except BaseException as exc:  # noqa: BLE001 - re-raised by result() on the caller's thread
             self._error = exc
         finally:

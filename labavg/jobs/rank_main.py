@@ -34,11 +34,12 @@ def said_by_rank_0(exc: UserError) -> UserError:
 
 
 def run_rank(cfg, *, resume: bool = False, progress: bool = True, allow_pipes: bool = False,
-             stop_file: str | None = None) -> RunSummary | None:
+             stop_file: str | None = None, since: float | None = None) -> RunSummary | None:
     """This process's part of the run `cfg` (checked by the caller): its events into the run
     directory; rank 0's summary. For a process that mpiexec, srun, torchrun or JobRun started,
     whether JobRun (through this module's `main`) or the user (`mpiexec -n 4 labavg train`).
-    `stop_file` appearing stops every rank at the next averaging round."""
+    `stop_file` appearing stops every rank at the next averaging round. `since`: the Unix time
+    the command started (labavg.jobs.runs.run_training)."""
     from labavg.comm.launchers import detect_launcher
 
     if cfg.backend == "torch" and detect_launcher() == "mpi":
@@ -47,19 +48,19 @@ def run_rank(cfg, *, resume: bool = False, progress: bool = True, allow_pipes: b
 
     should_stop = None if stop_file is None else (lambda: os.path.exists(stop_file))
     return run_training(cfg, resume=resume, progress=progress, should_stop=should_stop,
-                        allow_pipes=allow_pipes)
+                        allow_pipes=allow_pipes, since=since)
 
 
 def _rank(args: argparse.Namespace) -> int:
     from labavg.jobs.job_run import rank_config
 
     try:
-        cfg, resume, stop_file = rank_config(args.launch_file)
+        cfg, resume, stop_file, since = rank_config(args.launch_file)
     except UserError as exc:
         raise said_by_rank_0(exc) from None
     # The summary is the parent's to print (JobRun reads it from the run directory).
     run_rank(cfg, resume=resume, progress=not args.no_progress, allow_pipes=args.allow_pipes,
-             stop_file=stop_file)
+             stop_file=stop_file, since=since)
     return 0
 
 
@@ -78,4 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from labavg.comm.launchers import end_process_now
+
+    status = main()
+    end_process_now(status)  # a finished rank: its launcher learns at once (no teardown)
+    sys.exit(status)

@@ -102,6 +102,11 @@ class RunSummary:
     worker_steps: list[int] | None = _from("worker_steps")
     worker_counts: list[int] | None = _from("worker_counts")
     frames_untrained: int | None = _from("frames_untrained")
+    # The whole time of the command that ran it, from its start (the `labavg train` process's,
+    # or start_run's call in a longer-lived process) to final.pt on disk: the training wall
+    # plus start-up (imports, checks, data, launch) and the model's export. None for a resumed
+    # run (its earlier parts' commands are not known) and for runs on a cluster's engines.
+    process_seconds: float | None = _from("process_seconds")
 
     def to_dict(self) -> dict[str, Any]:
         """summary.json's object (the config as config.json writes it)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +80,7 @@ def run_training(
     progress: bool = True,
     should_stop: Callable[[], bool] | None = None,
     allow_pipes: bool = False,
+    since: float | None = None,
 ) -> RunSummary | None:
     """Train with `cfg`, writing cfg.out as a run directory; return rank 0's summary.
 
@@ -89,6 +91,8 @@ def run_training(
     Under mpiexec/torchrun every process calls this; only rank 0 returns the summary (others
     return None). `on_event` sees every event this process sees. `allow_pipes` lets data files
     and rspecifiers run commands (Kaldi's `cmd |`); only the command line's --allow-pipes sets it.
+    `since`: the Unix time the command running it started (summary.json's process_seconds
+    counts from it; None: unknown, no process_seconds).
     """
     from labavg.training.runner import train
 
@@ -102,16 +106,16 @@ def run_training(
             return opened["source"]
 
         return _consume(cfg, train(cfg, open_data, run_dir, resume, should_stop=should_stop),
-                        run_dir, resume, on_event, progress, opened)
+                        run_dir, resume, on_event, progress, opened, since)
 
 
 def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: bool,
              on_event: Callable[[Event], None] | None, progress: bool,
-             opened: dict[str, Any]) -> RunSummary | None:
+             opened: dict[str, Any], since: float | None = None) -> RunSummary | None:
     """Write the run directory from the trainer's events; rank 0's summary (and final.pt)."""
     logs: dict[int, EventLog] = {}
     started: dict[int, RunStarted] = {}
-    summary = None
+    end = None
     bar = None
     # The load (1-minute average) the speedup was measured under, beside it in the summary.
     load_start = os.getloadavg()[0]
@@ -137,8 +141,7 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
                 pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
             elif isinstance(event, RunFinished) and event.rank == min(event.members or (0,)):
                 load = {"start": load_start, "end": os.getloadavg()[0]}
-                summary = make_summary(RunEnd(cfg, started[event.rank], event, pairs, load,
-                                                   resume))
+                end = RunEnd(cfg, started[event.rank], event, pairs, load, resume)
     except Exception as exc:
         _throw_into(events, exc)
         raise
@@ -153,21 +156,23 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             bar.close()
         for log in logs.values():
             log.close()
-    if summary is not None:
-        # After the trainer has ended (its ranks released, its watchdog gone): exporting and
-        # decoding take minutes.
-        summary = finish_run(run_dir, cfg, opened["source"], summary)
-    return summary
+    if end is None:
+        return None
+    # After the trainer has ended (its ranks released, its watchdog gone): exporting and
+    # decoding take minutes.
+    return finish_run(run_dir, cfg, opened["source"], end, None if resume else since)
 
 
-def finish_run(run_dir: Path, cfg: TrainConfig, source, summary: RunSummary) -> RunSummary:
+def finish_run(run_dir: Path, cfg: TrainConfig, source, end: RunEnd,
+               since: float | None = None) -> RunSummary:
     """The one way a run ends: its model (final.pt), then summary.json, the commit marker.
 
     A run without its model is unfinished (labavg.jobs.run_dir.check_run_dir), so when
     final.pt cannot be written nothing says the run finished and `labavg train --resume`
     completes it from the last checkpoint, which is kept. The decode comes after the commit:
     a failed decode does not lose the model, and a later one adds its figures
-    (decode_pending, finish_decode).
+    (decode_pending, finish_decode). The summary is made once the model is on disk, so that
+    its process_seconds (from `since`, the command's start) counts the export too.
     """
     from labavg.decode.model import export_final_model
     from labavg.decode.run import decode_fields
@@ -177,6 +182,9 @@ def finish_run(run_dir: Path, cfg: TrainConfig, source, summary: RunSummary) -> 
     except CannotWrite as exc:  # NoRoom's message says how to resume already
         raise CannotWrite(f"{exc}; fix that, then `labavg train --resume {run_dir}` writes the "
                           f"model from the run's last checkpoint (kept)") from None
+    if since is not None:
+        end = replace(end, process_seconds=max(time.time() - since, 0.0))
+    summary = make_summary(end)
     _write_summary(run_dir, summary)
     if cfg.decode_data is not None:
         try:

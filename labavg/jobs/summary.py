@@ -55,6 +55,7 @@ class RunEnd:
     pairs: list[tuple[float, float]]  # the speedup's (solo, parallel) s per minibatch
     load: dict[str, float]  # the 1-minute load averages at the run's "start" and "end"
     resumed: bool = False
+    process_seconds: float | None = None  # measured by the run's end (labavg.jobs.runs)
 
     @property
     def all_rounds(self) -> int:
@@ -214,7 +215,7 @@ def summary_row(name: str, summary: RunSummary | Mapping[str, Any]) -> dict[str,
 # workers only when an elastic run's changed.
 INFO_COLUMNS = ("run", "ranks", "workers", "average_every", "optimizer", "lr", "epochs",
                 "averaging", "reduce", "payload", "wer_with_ci", "per", "cv_acc_pct", "cv_loss",
-                "wall_seconds", "comm_pct", "speedup_with_range", "cores", "efficiency_pct",
+                "wall_seconds", "process_seconds", "comm_pct", "speedup_with_range", "cores", "efficiency_pct",
                 "stopped")
 
 
