@@ -46,7 +46,7 @@ import torch
 
 from labavg.averaging.interface import AveragerInfo
 from labavg.averaging.methods import ALL, Averager
-from labavg.averaging.mean import AverageStats, average_parameters
+from labavg.averaging.mean import AverageStats, average_parameters, finite_norm
 from labavg.comm.base import Communicator, Pending
 
 # The scope of a round whose mean runs while training goes on (`due`).
@@ -155,7 +155,7 @@ class OverlapAverager:
         if scope != OVERLAP:
             raise ValueError(f"unknown round scope {scope!r}; known: {OVERLAP}, {ALL}")
         t0 = time.perf_counter()
-        finite = bool(torch.isfinite(flat).all())
+        finite, _ = finite_norm(flat)  # one pass, no buffer-sized mask
         if not finite:  # restart from the global model; left out of the mean started now
             for part, averager in self._parts(flat):
                 part.copy_(averager.global_model)
