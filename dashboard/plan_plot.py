@@ -41,9 +41,9 @@ def plan_frame(rows: Sequence[PlanRow]) -> pd.DataFrame:
     frame = pd.DataFrame([{
         "method": r.method, "K": r.K, "speedup": r.speedup, "speedup_sd": r.speedup_sd,
         "acc_change": r.acc_change, "acc_sd": r.acc_sd, "mb": r.bytes_per_epoch / 1e6,
-        "extrapolated": "; ".join(r.extrapolated), "label": f"K={r.K}"} for r in rows],
+        "extrapolated": "; ".join(r.extrapolated)} for r in rows],
         columns=["method", "K", "speedup", "speedup_sd", "acc_change", "acc_sd", "mb",
-                 "extrapolated", "label"])
+                 "extrapolated"])
     return frame.sort_values(["method", "K"], kind="stable").reset_index(drop=True)
 
 
@@ -65,10 +65,11 @@ def plan_plot(rows: Sequence[PlanRow], best: PlanRow | None, budget: float | Non
         layers.append(hv.VLine(-budget).opts(color="gray", line_dash="dashed", line_width=1))
     for index, (method, group) in enumerate(frame.groupby("method", sort=False)):
         color, label = _method_style(method, index)
-        layers.append(hv.ErrorBars(group, _dim("speedup"), [_dim("acc_change"), "acc_sd"],
-                                   horizontal=True).opts(color=color, alpha=0.35))
+        bars = dict(color=color, alpha=0.3, lower_head=None, upper_head=None)
+        layers.append(hv.ErrorBars(group, _dim("acc_change"), [_dim("speedup"), "acc_sd"],
+                                   horizontal=True).opts(**bars))
         layers.append(hv.ErrorBars(group, _dim("acc_change"), [_dim("speedup"), "speedup_sd"]
-                                   ).opts(color=color, alpha=0.35))
+                                   ).opts(**bars))
         layers.append(hv.Curve(group, _dim("acc_change"), _dim("speedup"), label=label).opts(
             color=color, line_width=2))
         covered = group[group["extrapolated"] == ""]
@@ -79,22 +80,35 @@ def plan_plot(rows: Sequence[PlanRow], best: PlanRow | None, budget: float | Non
         layers.append(hv.Scatter(outside, _dim("acc_change"), hover,
                                  label="outside the fits (hover: why)").opts(
             color="white", line_color="gray", line_width=1.5, size=8, tools=["hover"]))
-    layers.append(hv.Labels(frame, [_dim("acc_change"), _dim("speedup")], "label").opts(
-        text_font_size="8pt", text_color="#444444", yoffset=_label_offset(frame),
-        text_baseline="bottom"))
+    layers += _k_labels(frame)
     if best is not None:
         star = pd.DataFrame([{"acc_change": best.acc_change, "speedup": best.speedup,
                               "K": best.K, "method": best.method}])
         layers.append(hv.Scatter(star, _dim("acc_change"), [_dim("speedup"), _dim("K"),
                                                              _dim("method")], label=STAR).opts(
             marker="star", size=22, color="gold", line_color="black", tools=["hover"]))
-    opts = _plot_opts(title, X_LABEL, Y_LABEL, legend_position="bottom_left", padding=0.08)
+    opts = _plot_opts(title, X_LABEL, Y_LABEL, legend_position="right", padding=0.08)
     return hv.Overlay(layers).opts(**{**opts, "height": PLAN_PLOT_HEIGHT})
 
 
-def _label_offset(frame: pd.DataFrame) -> float:
-    """A K label's lift above its point: a small share of the speedups' spread."""
+# Where each method's K labels sit: plain averaging's above its points, BMUF's to the right,
+# DiLoCo's to the left. BMUF's and DiLoCo's points at one K lie close together, and labels on
+# the same side wrote over each other.
+_LABEL_SIDE = {"model": "above", "bmuf": "right", "diloco": "left"}
+
+
+def _k_labels(frame: pd.DataFrame) -> list[hv.Labels]:
+    """Each point's K (the number only, to collide less), one layer per method."""
     if not len(frame):
-        return 0.0
-    spread = float(frame["speedup"].max() - frame["speedup"].min())
-    return 0.02 * (spread or float(frame["speedup"].max()) or 1.0)
+        return []
+    dx = 0.02 * (float(frame["acc_change"].max() - frame["acc_change"].min()) or 1.0)
+    dy = 0.02 * (float(frame["speedup"].max() - frame["speedup"].min())
+                 or float(frame["speedup"].max()) or 1.0)
+    side = {"above": dict(yoffset=dy, text_baseline="bottom", text_align="center"),
+            "right": dict(xoffset=dx, text_baseline="middle", text_align="left"),
+            "left": dict(xoffset=-dx, text_baseline="middle", text_align="right")}
+    return [hv.Labels(group.assign(label=group["K"].astype(str)),
+                      [_dim("acc_change"), _dim("speedup")], "label").opts(
+                text_font_size="8pt", text_color="#333333",
+                **side[_LABEL_SIDE.get(method, "above")])
+            for method, group in frame.groupby("method", sort=False)]

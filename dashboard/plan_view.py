@@ -158,7 +158,8 @@ class PlanView(pn.viewable.Viewer):
     def _title(self) -> str:
         name = next(label for label, key in self.param.network.objects.items()
                     if key == self.network)
-        return f"Predicted for N = {self.ranks} machines on {name}, each method across K"
+        return (f"Predicted for N = {self.ranks} machines on {name}: each method across K "
+                "(the numbers)")
 
     # ------------------------------------------------------------------ text
 
@@ -256,9 +257,18 @@ class PlanView(pn.viewable.Viewer):
 
     def _widgets(self) -> pn.Column:
         def boxed(name: str) -> pn.Column:
-            box = pn.widgets.TextInput.from_param(self.param[name], sizing_mode="stretch_width")
-            # Judged as typed, not when the box loses focus.
+            box = pn.widgets.TextInput(label=self.param[name].label, value=getattr(self, name),
+                                       sizing_mode="stretch_width")
+            # Judged as typed, not when the box loses focus; the box is written back only with
+            # a value it does not say (another run's epochs): echoing each keystroke back
+            # overwrote what was typed after it on a slow server.
             pn.bind(lambda text: setattr(self, name, text), box.param.value_input, watch=True)
+
+            def follow(value: str) -> None:
+                if value != box.value_input:
+                    box.param.update(value=value, value_input=value)
+
+            pn.bind(follow, self.param[name], watch=True)
             message = pn.pane.Markdown(pn.bind(lambda e: e.get(name, ""), self.param.errors),
                                        visible=pn.bind(lambda e: name in e, self.param.errors),
                                        styles=_ERROR_STYLE, margin=(0, 10),

@@ -55,7 +55,8 @@ def test_the_rows_follow_n_and_the_network():
     for n in RANK_CHOICES:
         view.ranks = n
         assert {r.ranks for r in view.rows} == {n}
-        assert {(r.K, r.method) for r in view.rows} == {(k, m) for k in DEFAULT_KS for m in METHODS}
+        assert {(r.K, r.method) for r in view.rows} == {(k, m) for k in DEFAULT_KS
+                                                        for m in METHODS}
     view.ranks = 16
     ethernet = {(r.K, r.method): r for r in view.rows}
     view.network = "infiniband"
@@ -64,7 +65,8 @@ def test_the_rows_follow_n_and_the_network():
     # accuracy prediction knows nothing of the network.
     assert all(infiniband[key].speedup > ethernet[key].speedup for key in ethernet)
     assert all(infiniband[key].acc_change == ethernet[key].acc_change for key in ethernet)
-    gain = {k: infiniband[(k, "model")].speedup / ethernet[(k, "model")].speedup for k in DEFAULT_KS}
+    gain = {k: infiniband[(k, "model")].speedup / ethernet[(k, "model")].speedup
+            for k in DEFAULT_KS}
     assert gain[1] == max(gain.values())
 
 
@@ -119,14 +121,17 @@ def test_the_plot_has_a_curve_per_method_the_star_at_the_recommendation_and_k_la
         best = view.best
         assert stars[0].iloc[0, 0] == pytest.approx(best.acc_change)
         assert stars[0].iloc[0, 1] == pytest.approx(best.speedup)
-        labels = _layers(figure, hv.Labels)[0]
-        assert sorted(labels.dimension_values("label")) == sorted(f"K={r.K}" for r in view.rows)
+        labels = [k for layer in _layers(figure, hv.Labels)
+                  for k in layer.dimension_values("label")]
+        assert sorted(labels) == sorted(str(r.K) for r in view.rows)  # each point's K
         # The points outside what the fits saw are one hollow layer, with the reason on hover.
         hollow = [s for s in _layers(figure, hv.Scatter) if s.label.startswith("outside")]
         outside = sorted(r.acc_change for r in view.rows if r.extrapolated)
-        assert sorted(hollow[0].dimension_values(0)) == pytest.approx(outside) if outside else not hollow
         if outside:
+            assert sorted(hollow[0].dimension_values(0)) == pytest.approx(outside)
             assert all(hollow[0].dimension_values("extrapolated"))
+        else:
+            assert not hollow
         # The budget is the dashed line.
         assert _layers(figure, hv.VLine)[0].data == -3.0
     view.budget = "0"
