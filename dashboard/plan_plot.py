@@ -24,7 +24,7 @@ METHOD_STYLE = {"model": (_PALETTE[0], "model: plain averaging"),
                 "diloco": (_PALETTE[2], "diloco: outer Nesterov")}
 PLAN_PLOT_HEIGHT = 380
 STAR = "recommended"
-X_LABEL = "predicted CV frame accuracy change vs 1 worker (points; negative = lost)"
+X_LABEL = "predicted CV frame accuracy change vs 1 worker (points, − = lost)"
 Y_LABEL = "predicted speedup (× 1 worker)"
 # What hover calls each column.
 _DIMS = {"acc_change": "accuracy change (points)", "speedup": "speedup (×)", "K": "K",
@@ -87,7 +87,9 @@ def plan_plot(rows: Sequence[PlanRow], best: PlanRow | None, budget: float | Non
         layers.append(hv.Scatter(star, _dim("acc_change"), [_dim("speedup"), _dim("K"),
                                                              _dim("method")], label=STAR).opts(
             marker="star", size=22, color="gold", line_color="black", tools=["hover"]))
-    opts = _plot_opts(title, X_LABEL, Y_LABEL, legend_position="right", padding=0.08)
+    # Legend bottom left: low speedup and lost accuracy, where no point the front keeps lies
+    # (speedup rises with K and accuracy falls, so each curve runs from bottom right to top left).
+    opts = _plot_opts(title, X_LABEL, Y_LABEL, legend_position="bottom_left", padding=0.08)
     return hv.Overlay(layers).opts(**{**opts, "height": PLAN_PLOT_HEIGHT})
 
 

@@ -158,8 +158,7 @@ class PlanView(pn.viewable.Viewer):
     def _title(self) -> str:
         name = next(label for label, key in self.param.network.objects.items()
                     if key == self.network)
-        return (f"Predicted for N = {self.ranks} machines on {name}: each method across K "
-                "(the numbers)")
+        return f"N = {self.ranks} machines on {name}: each method across K (the numbers)"
 
     # ------------------------------------------------------------------ text
 
@@ -185,7 +184,8 @@ class PlanView(pn.viewable.Viewer):
         if self.errors or o is None:
             return ""
         if self.best is not None and o.ranks == self.best.ranks:
-            return f"No smaller N does better within the budget (N = 2-{self.ranks})."
+            return ("" if self.ranks == RANK_CHOICES[0] else
+                    f"No smaller N does better within the budget (N = 2-{self.ranks}).")
         return (f"Over N = 2-{self.ranks}, the plan's pick (the fastest within the budget, the "
                 f"points the fits cover first) is N = {o.ranks}, K = {o.K}, {o.method} "
                 f"(speedup {o.speedup:.2f}, {o.acc_change:+.2f} points).")
