@@ -413,3 +413,70 @@ def test_optimised_layer_update_matches_previous_implementation(dtype, one_threa
         opt.tap.clear()
         factors.append(float(f_ref))
     assert min(factors) < 1.0  # the max-change factor is exercised, not always 1
+
+
+def test_batched_fisher_updates_give_each_estimate_its_own_bits(one_thread):
+    # update_fishers puts the estimates of one rank through the R x R algebra as one batch;
+    # each must come out as it does alone (elementwise ops, last-dim reductions, a LAPACK
+    # call per matrix), and a non-finite job must keep its estimate without touching the rest.
+    from labavg.optim.fisher_update import update_fishers
+    from labavg.optim.natural_gradient import start_precondition
+
+    gen = torch.Generator().manual_seed(7)
+    cfg = NGConfig()
+    jobs = []
+    for dim, scale in ((40, 1.0), (40, 3.0), (33, 0.2), (40, float("nan"))):
+        X = torch.randn(64, dim, generator=gen) * scale + 0.3
+        state = precondition_directions(X, FisherState(None, None, cfg.epsilon, 0), 8, cfg).state
+        jobs.append(start_precondition(X * 1.1, state, 8, cfg, with_one=False).job)
+    assert all(job is not None for job in jobs)
+    together = update_fishers(jobs, cfg)
+    for job, batched in zip(jobs, together):
+        (alone,) = update_fishers([job], cfg)
+        assert batched.t == alone.t == job.next_t
+        assert torch.equal(batched.W, alone.W) and torch.equal(batched.d, alone.d)
+        assert batched.rho == alone.rho
+    assert together[3].W is jobs[3].state.W  # the NaN job kept its estimate
+    assert not torch.equal(together[0].W, jobs[0].state.W)  # the others moved
+
+
+def test_ngsgd_overwrites_only_tensors_of_its_own_step():
+    # NGSGD writes X_hat and dY_hat over X and dY when nothing else can see them; a caller's
+    # input, an activation feeding two layers and a dY two layers share must stay as they are.
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(6, 8)
+            self.left, self.right = nn.Linear(8, 5), nn.Linear(8, 5)
+
+        def forward(self, x):
+            h = torch.sigmoid(self.first(x))
+            return self.left(h) + self.right(h)  # one h for two layers; one dY for two layers
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    twin = copy.deepcopy(model)
+    cfg = NGConfig(rank_in=3, rank_out=3)
+    opt, twin_opt = NGSGD(model, config=cfg), NGSGD(twin, config=cfg)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(14):
+        data = torch.randn(32, 6, generator=gen)
+        kept = data.clone()
+        y = torch.randint(0, 5, (32,), generator=gen)
+        F.cross_entropy(model(data), y, reduction="sum").backward()
+        opt.step(0.01)
+        assert torch.equal(data, kept)  # the caller's tensor
+        # The twin's step sees private copies of everything (nothing is shared or owned).
+        F.cross_entropy(twin(data.clone()), y, reduction="sum").backward()
+        for records in twin_opt.tap._records:
+            for record in records:
+                record[0], record[1], record[2] = record[0].clone(), record[1].clone(), False
+        twin_opt.step(0.01)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b), step
+    # And in a plain stack the hidden activations are overwritten (the copies are saved).
+    dnn = _small_dnn()
+    dnn_opt = NGSGD(dnn, config=NGConfig(rank_in=4, rank_out=6))
+    F.cross_entropy(dnn(torch.randn(16, 10)), torch.zeros(16, dtype=torch.long), reduction="sum").backward()
+    owned = dnn_opt.tap.owned_storages()
+    assert len(owned) == 2 * len(dnn_opt.linears) - 1  # every X and dY but the first X

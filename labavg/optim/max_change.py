@@ -80,9 +80,14 @@ def apply_updates(updates: Sequence[LayerUpdate], max_param_change: float) -> St
     # On the CPU _foreach_norm is each tensor's vector_norm, so the values are a per-tensor loop's
     # (CUDA's fused kernel may differ in the last bits; they only feed max_param_change's scale).
     sq = torch.stack(torch._foreach_norm(deltas)).to(torch.float64).square()
-    tensor_scalars = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+    # Stacked first and widened once (exactly, float32 -> float64): two ops, not two a scalar.
+    tensor_scalars = [v if v.dim() == 0 else v.reshape(())
                       for u in updates for v in (u.coef, u.factor) if isinstance(v, torch.Tensor)]
-    values = torch.cat([sq, torch.stack(tensor_scalars)]).tolist() if tensor_scalars else sq.tolist()
+    if tensor_scalars:
+        scalars = torch.stack(tensor_scalars).to(device=device, dtype=torch.float64)
+        values = torch.cat([sq, scalars]).tolist()
+    else:
+        values = sq.tolist()
     if not all(math.isfinite(v) for v in values):  # a non-finite float coef fails param_delta
         return StepStats(applied=False, scale=0.0)
     sq_norms, scalars = iter(values[: len(deltas)]), iter(values[len(deltas):])
