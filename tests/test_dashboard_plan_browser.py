@@ -83,7 +83,7 @@ def _star(page) -> tuple[float, float] | None:
 
 def _recommended(page, n: int) -> str:
     found = page.locator("p", has_text=f"Recommended at N = {n}:")
-    wait_for(lambda: found.count() > 0, 60, f"the recommendation at N = {n}")
+    wait_for(lambda: found.count() > 0, 120, f"the recommendation at N = {n}")
     return found.first.inner_text()
 
 
@@ -154,7 +154,7 @@ def test_the_plan_tab_follows_its_slider_and_trains_the_recommended_point(served
             method = text.split(f"K = {k}, ")[1].split(":")[0].strip()
             wait_for(lambda: not button.is_disabled(), 30, "the train button on")
             button.click()
-            run_dir = wait_for(lambda: (found := _run_dirs(runs)) and found[-1], 120,
+            run_dir = wait_for(lambda: (found := _run_dirs(runs)) and found[-1], 240,
                                "the run's config.json")
             config = json.loads((run_dir / "config.json").read_text())
             assert config["ranks"] == 2 and config["averaging"]["average_every"] == k
@@ -165,7 +165,7 @@ def test_the_plan_tab_follows_its_slider_and_trains_the_recommended_point(served
             assert "bk-active" in (page.locator(".bk-tab", has_text="Live").get_attribute("class")
                                    or "")
             page.get_by_role("button", name="Stop").click()
-            wait_for(lambda: (run_dir / "summary.json").is_file(), 180, "the run to end")
+            wait_for(lambda: (run_dir / "summary.json").is_file(), 300, "the run to end")
             assert not errors, errors
         finally:
             browser.close()
