@@ -81,12 +81,11 @@ def main() -> None:
         todo = {kind + tag: (source, extra) for kind, extra in KINDS.items()
                 for tag, source in sources.items()}
         results: dict[str, list[dict[str, float]]] = {name: [] for name in todo}
-        for name, (source, extra) in todo.items():  # warm the file cache first
-            run_once(source, corpus, Path(tmp) / "warm", extra)
+        for i, (source, extra) in enumerate(todo.values()):  # warm the file cache first
+            run_once(source, corpus, Path(tmp) / f"warm{i}", extra)
         for rep in range(args.repeats):
-            for name, (source, extra) in todo.items():
-                results[name].append(run_once(source, corpus, Path(tmp) / f"r{rep}-{len(name)}"
-                                              f"-{abs(hash(name))}", extra))
+            for i, (name, (source, extra)) in enumerate(todo.items()):
+                results[name].append(run_once(source, corpus, Path(tmp) / f"r{rep}-{i}", extra))
     rows = []
     print(f"{'run':28} {'outside loop s (min-max)':>26} {'whole wall s':>13} {'loop s':>7} "
           f"{'tree CPU s':>11}")
