@@ -186,8 +186,8 @@ class PlanView(pn.viewable.Viewer):
         if self.best is not None and o.ranks == self.best.ranks:
             return ("" if self.ranks == RANK_CHOICES[0] else
                     f"No smaller N does better within the budget (N = 2-{self.ranks}).")
-        return (f"Over N = 2-{self.ranks}, the plan's pick (the fastest within the budget, the "
-                f"points the fits cover first) is N = {o.ranks}, K = {o.K}, {o.method} "
+        return (f"Over N = 2-{self.ranks}, the plan's pick (the fastest within the budget, among the "
+                f"points the fits cover) is N = {o.ranks}, K = {o.K}, {o.method} "
                 f"(speedup {o.speedup:.2f}, {o.acc_change:+.2f} points).")
 
     def explanation(self) -> str:
@@ -212,8 +212,8 @@ class PlanView(pn.viewable.Viewer):
             f"points, N = {acc.ranks_seen[0]}-{acc.ranks_seen[1]}); {k_term}; and each "
             f"method's offset from plain averaging: {methods or 'none measured'}. The ± adds "
             "their residual spreads. Hollow grey points leave what a fit saw (hover for "
-            "which); the dashed line is the budget; the star is the fastest point within it, "
-            "among the points the fits cover when one of them is.")
+            "which) and are never recommended; the dashed line is the budget; the star is the "
+            "fastest point within it among the points the fits cover.")
 
     def machine_text(self) -> str:
         """What a run here can and cannot check."""

@@ -236,9 +236,9 @@ def test_the_button_trains_the_recommended_point_at_the_class_size(corpus, tmp_p
 
 def test_the_button_says_why_it_cannot_start(corpus, tmp_path):
     settings = _tiny(corpus, tmp_path)
-    view = PlanView(None, settings, LiveRun(), ranks=64, budget="20")
-    assert view.best.ranks == 64
-    # 64 workers do not fit this 0.02 h corpus: refused in the sidebar's words, nothing starts.
+    view = PlanView(None, settings, LiveRun(), ranks=32, budget="20")
+    assert view.best.ranks == 32
+    # 32 workers do not fit this 0.02 h corpus: refused in the sidebar's words, nothing starts.
     assert not view.train()
     assert view.train_text.startswith("**Cannot start:**") and "ranks" in view.train_text
     assert not list(tmp_path.iterdir())

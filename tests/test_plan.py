@@ -106,15 +106,19 @@ def test_pareto_front_and_recommendation():
         beaten = any(o.speedup >= r.speedup and o.acc_change >= r.acc_change and o is not r
                      and (o.speedup > r.speedup or o.acc_change > r.acc_change) for o in rows)
         assert (r in front) != beaten
-    for budget in (0.0, 0.5, 2.0, 50.0):
+    last = 0.0
+    for budget in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 50.0):
         best = recommend(rows, budget)
-        ok = [r for r in rows if r.acc_change >= -budget]
+        ok = [r for r in rows if r.acc_change >= -budget and not r.extrapolated]
         if not ok:
             assert best is None
             continue
-        assert best.acc_change >= -budget
-        covered = [r for r in ok if not r.extrapolated] or ok
-        assert best.speedup == max(r.speedup for r in covered)
+        assert best.acc_change >= -budget and not best.extrapolated
+        assert best.speedup == max(r.speedup for r in ok)
+        assert best.speedup >= last  # a larger budget never recommends a slower point
+        last = best.speedup
+    anything = recommend(rows, 50.0, covered_only=False)
+    assert anything.speedup == max(r.speedup for r in rows if r.acc_change >= -50.0)
     bigger_k = [r for r in rows if r.ranks == 16 and r.method == "model"]
     assert [r.bytes_per_epoch for r in sorted(bigger_k, key=lambda r: r.K)] == sorted(
         (r.bytes_per_epoch for r in bigger_k), reverse=True)
@@ -150,12 +154,20 @@ def _labavg(*args, cwd=REPO):
 
 
 def test_plan_prints_the_front_and_the_recommendation():
-    done = _labavg("plan", "--ranks", "8", "16", "32", "--network", "10gbe")
+    done = _labavg("plan", "--ranks", "8", "16", "32", "--network", "10gbe", "--max-loss", "3")
     assert done.returncode == 0, done.stderr
     assert "Predicted on 10GbE" in done.stdout
-    assert "Recommended for at most 0.5 points lost: N = " in done.stdout
+    assert "Recommended for at most 3 points lost: N = " in done.stdout
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
     assert table and all(line.split("|")[2].strip() in {"8", "16", "32"} for line in table)
+    starred = [line for line in table if line.split("|")[1].strip() == "*"]
+    assert len(starred) == 1 and starred[0].split("|")[-2].strip() == ""  # not extrapolated
+
+
+def test_plan_says_when_only_points_outside_the_fits_are_within_the_budget():
+    done = _labavg("plan", "--ranks", "8", "16", "32", "--max-loss", "0")
+    assert done.returncode == 0, done.stderr
+    assert "No row the fits cover is predicted to lose at most 0 points" in done.stdout
 
 
 def test_plan_json_agrees_with_the_library():

@@ -5,7 +5,7 @@ its uncertainty is the cost model's largest leave-one-out error on the paper's t
 (`speed_error`). Accuracy comes from labavg.studies.plan_accuracy, fitted on the runs recorded
 in experiments/reproduction-results.jsonl. The table has one row per (N, K, method); the Pareto
 front keeps the rows no other row beats on both speedup and accuracy, and the recommendation is
-the fastest row whose predicted accuracy change is within the budget.
+the fastest row the fits cover whose predicted accuracy change is within the budget.
 """
 
 from __future__ import annotations
@@ -103,15 +103,17 @@ def pareto(rows: Sequence[PlanRow]) -> list[PlanRow]:
     return sorted(front, key=lambda r: -r.speedup)
 
 
-def recommend(rows: Sequence[PlanRow], max_loss: float) -> PlanRow | None:
+def recommend(rows: Sequence[PlanRow], max_loss: float, *,
+              covered_only: bool = True) -> PlanRow | None:
     """The fastest row whose predicted accuracy change is within `max_loss` points, among the
-    rows the fits cover when one of them is within it."""
+    rows no fit extrapolates (all rows with `covered_only=False`): an offset measured at 16
+    workers carried down to 2 is drawn, never recommended, so a larger budget never gives a
+    slower recommendation."""
     if not math.isfinite(max_loss) or max_loss < 0:
         raise UserError(f"--max-loss must be a number of points >= 0, got {max_loss}")
-    within = [r for r in rows if r.acc_change >= -max_loss]
-    covered = [r for r in within if not r.extrapolated]
-    best = covered or within
-    return max(best, key=lambda r: (r.speedup, r.acc_change)) if best else None
+    within = [r for r in rows if r.acc_change >= -max_loss
+              and not (covered_only and r.extrapolated)]
+    return max(within, key=lambda r: (r.speedup, r.acc_change)) if within else None
 
 
 # --------------------------------------------------------------------------- inputs and output
@@ -172,8 +174,13 @@ def format_plan(rows: Sequence[PlanRow], best: PlanRow | None, max_loss: float, 
              f"Speedup ± the cost model's largest leave-one-out error ({100 * speed_error():.1f} %); "
              "accuracy change against one worker ± the fits' residual spread.", "", table, ""]
     if best is None:
-        lines.append(f"No row is predicted to lose at most {max_loss:g} points: raise --max-loss "
-                     "or plan fewer workers.")
+        lines.append(f"No row the fits cover is predicted to lose at most {max_loss:g} points: "
+                     "raise --max-loss or plan fewer workers.")
+        outside = recommend(rows, max_loss, covered_only=False)
+        if outside is not None:
+            lines.append(f"Outside what the fits saw, N = {outside.ranks}, K = {outside.K}, "
+                         f"{outside.method} is predicted within it ({outside.acc_change:+.2f} ± "
+                         f"{outside.acc_sd:.2f} points): " + "; ".join(outside.extrapolated) + ".")
     else:
         lines.append(f"Recommended for at most {max_loss:g} points lost: N = {best.ranks}, "
                      f"K = {best.K}, {best.method} (speedup {best.speedup:.2f}, accuracy "
