@@ -87,8 +87,11 @@ class LivePlot:
 
 
 def _divergence_title(ranks: int) -> str:
-    # One rank has nothing to diverge from: its flat zero is said in the title.
-    return "Divergence: 0 with one rank" if ranks == 1 else "Divergence per rank"
+    # One rank has nothing to diverge from: its flat zero is said in the title. With more, a
+    # plain round gives every rank the same number, the RMS over the ranks (issue 45: no copy
+    # of the parameters to measure each rank's own); eager overlap and lossy payloads give each
+    # rank its own, so the curves stay per rank.
+    return "Divergence: 0 with one rank" if ranks == 1 else "Divergence from the average"
 
 
 LIVE_PLOTS: tuple[LivePlot, ...] = (

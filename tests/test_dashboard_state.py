@@ -735,7 +735,7 @@ def test_following_one_finished_run_then_another_fills_the_plots_of_their_ranks(
         for _ in range(12):  # the page's flushes
             dashboard.flush()
         plots = dashboard.plots
-        assert plots.ranks == 3 and plots.divergence.element.title.text == "Divergence per rank"
+        assert plots.ranks == 3 and plots.divergence.element.title.text == "Divergence from the average"
         for rank, points in enumerate(three.buffers.of("loss").points):
             assert len(plots.loss.sources[f"loss_r{rank}"][0].data["step"]) == len(points) > 0
 
