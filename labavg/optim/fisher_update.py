@@ -149,7 +149,12 @@ def update_fishers(jobs: Sequence[FisherJob], cfg: NGConfig) -> list[FisherState
     out: list[FisherState | None] = [None] * len(jobs)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, job in enumerate(jobs):
-        groups.setdefault((job.LK.shape[1], job.num_rows), []).append(i)
+        # An estimate whose rank was cut to D - 1 (a layer narrower than the rank) goes alone:
+        # batched, its odd-length reductions rounded unlike the same estimate alone (seen on
+        # 2 x 64 and 2 x 48 models; 2 x 128 and wider, whose ranks are 20 and 80, keep their
+        # bits either way).
+        rank, dim = job.J.shape
+        groups.setdefault((rank, job.num_rows, i if rank == dim - 1 else -1), []).append(i)
     for index in groups.values():
         LK = torch.stack([jobs[i].LK for i in index])
         tr_X = torch.stack([jobs[i].tr_X for i in index]).to(_CPU, _F64)
