@@ -62,7 +62,9 @@ class PlanView(pn.viewable.Viewer):
     ranks = param.Selector(default=16, objects=list(RANK_CHOICES), label="N workers")
     network = param.Selector(default="10gbe", objects={n.name: k for k, n in NETWORKS.items()},
                              label="network")
-    budget = param.String(default="1", label="accuracy budget (points lost at most)")
+    # 2 points: at the default N = 16 the fits cover a point within it (BMUF, K = 10), so a
+    # first look shows a recommendation rather than "raise the budget".
+    budget = param.String(default="2", label="accuracy budget (points lost at most)")
     epochs = param.String(default="1", label="epochs")
     costs = param.Selector(default=RECORDED, objects=[RECORDED], label="costs from")
     errors = param.Dict(default={}, doc="what is wrong, by widget name; empty when it plans")

@@ -71,9 +71,8 @@ def test_the_rows_follow_n_and_the_network():
 
 
 def test_a_larger_budget_never_recommends_a_slower_point_among_points_alike():
-    """Within the points the fits cover (and within those they do not), a larger budget never
-    recommends a slower point. recommend() prefers covered points, so a budget that first
-    reaches a covered point may leave an extrapolated faster one: at most one such step."""
+    """A larger budget never recommends a slower point: recommend() takes only points the fits
+    cover, so it never switches to or from an extrapolated one."""
     view = PlanView()
     for n in RANK_CHOICES:
         view.ranks = n
@@ -95,7 +94,7 @@ def test_a_larger_budget_never_recommends_a_slower_point_among_points_alike():
                 assert not outside, f"N = {n}: back to an extrapolated point at {quarter / 4}"
                 switches += 1
             previous = best
-        assert switches <= 1
+        assert switches == 0
         # A budget that takes every row recommends the fastest row the fits cover.
         covered = [r for r in view.rows if not r.extrapolated]
         if covered:
