@@ -146,6 +146,7 @@ def test_info_into_a_closed_pipe_exits_quietly(tmp_path):
     assert err == "", err
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_info_shows_the_whole_process_time_beside_the_training_wall(corpus, tmp_path, capsys):
     """A real `labavg train` (its own process, 1 rank): summary.json records the command's whole
     time from its process's start, which `labavg info` and `--json` show beside the training

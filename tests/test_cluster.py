@@ -57,6 +57,7 @@ def make_cfg(out: Path, corpus: Path, average_every: int, epochs: int = 1) -> Tr
                        tensorboard=False)
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_engines_are_ordered_by_mpi_rank(cluster):
     info = cluster.info()
     assert cluster.ranks == [0, 1]

@@ -10,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from support import running
 
@@ -25,6 +26,7 @@ time.sleep(600)
 '''
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_a_killed_kernel_leaves_no_process_of_its_cluster(tmp_path):
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(tmp_path / "profile")],
                               stdout=subprocess.PIPE, text=True)

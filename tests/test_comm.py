@@ -290,6 +290,7 @@ def test_aborted_group_raises_group_aborted():
 # --- real launchers ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 @pytest.mark.parametrize("size", [2, 4])
 def test_mpiexec_ranks_match_inproc_bitwise(size, tmp_path):
     out = tmp_path / "mpi"

@@ -124,6 +124,7 @@ def test_an_out_of_range_cv_every_is_refused_in_one_line(value):
     assert "\n" not in message
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_two_mpi_ranks_check_as_the_in_process_ones(corpus, tmp_path):
     """Real MPI ranks (mpiexec started by the CLI): the same checks, the same model."""
     small = ["--data", str(corpus), "--ranks", "2", "--minibatch", "64", "--epochs", "1",

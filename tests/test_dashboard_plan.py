@@ -185,6 +185,7 @@ def one_rank_run(corpus, tmp_path_factory):
     return runs, table, Path(live.run_dir).name
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_the_costs_can_come_from_a_finished_run_of_the_table(one_rank_run):
     runs, table, name = one_rank_run
     view = PlanView(table)

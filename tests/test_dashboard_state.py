@@ -176,6 +176,7 @@ def test_in_a_notebook_the_page_is_a_plain_layout_with_its_resources_inline(corp
     assert page.dashboard.settings.errors == {}
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_the_inline_dashboard_shows_the_notebooks_newest_run_not_idle(finished_runs):
     # labavg issue 41: below notebook 03's first run its inline dashboard said "Idle · No run
     # on screen": a notebook's runs are not jobs of the page (none of this process here).

@@ -136,6 +136,7 @@ def yesno_run(shared_data, tmp_path_factory):
     return recipe, out, cache
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_yesno_trained_model_decodes_test_set(yesno_run):
     """The recipe's monophone GMM scores 0 % WER on test_yesno; a labavg DNN must be <= 2 %."""
     recipe, out, cache = yesno_run

@@ -127,6 +127,7 @@ def test_mpi_run_killed_then_resumed_matches_uninterrupted(corpus, tmp_path):
     assert torch.equal(final_params(tmp_path / "cut"), final_params(tmp_path / "full"))
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 @pytest.mark.parametrize("fault", ["raise@rank1:step5", "kill@rank1:step5"])
 def test_torchrun_rank_failure_ends_the_job(corpus, tmp_path, fault):
     torchrun = Path(PYTHON).parent / "torchrun"
@@ -147,6 +148,7 @@ def test_torchrun_rank_failure_ends_the_job(corpus, tmp_path, fault):
         assert max(steps) == 5
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_checkpoint_killed_mid_save_is_never_half_written(tmp_path):
     """SIGKILL a process that saves checkpoints in a loop; the manifest always names a whole one."""
     script = textwrap.dedent(f"""

@@ -204,6 +204,7 @@ def _hierarchy(across_nodes_every: int, node_size: int) -> dict[str, int]:
             "averaging.hierarchy.node_size": node_size}
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_hierarchy_every_k_and_off_train_the_flat_run_bit_for_bit(corpus, tmp_path):
     def trained(name, averaging=None):
         return _trained(_config(corpus, tmp_path / name, averaging, ranks=4, epochs=1))

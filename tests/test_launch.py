@@ -61,6 +61,7 @@ def test_events_time_out_while_the_run_goes_on(corpus, tmp_path):
     assert handle.result(timeout=120).stopped is True
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_mpi_job_streams_stops_on_request_and_cleans_up(corpus, tmp_path):
     out = tmp_path / "mpi"
     cfg = small_config(corpus, out, backend="mpi", epochs=3, checkpoint_every=1)

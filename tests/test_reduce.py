@@ -345,6 +345,7 @@ with open(sys.argv[1] + f"/{comm.rank}.json", "w") as out:
 """
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_a_round_allocates_nothing_of_the_buffers_size(tmp_path):
     # MPICH reduces in place in the numpy view: whatever torch allocates is the round's own.
     script_path = tmp_path / "allocations.py"

@@ -242,6 +242,7 @@ def test_watchdog_names_a_silent_peer_and_waits_for_a_busy_one(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
                                  signal.SIGINT])  # SIGTERM slow: fast-suite margin
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_killing_the_launcher_ends_its_ranks(corpus, tmp_path, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -304,6 +305,7 @@ def test_lock_is_exclusive_and_cleans_up_a_directory_it_made(tmp_path):
 # -- resume refuses what would change results, and is exact for every schedule --------------
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_resume_of_a_finished_run_is_refused_and_leaves_it_as_it_was(corpus, tmp_path):
     out = tmp_path / "run"
     assert _cli(*_train_args(corpus, out, "--epochs", "1")).returncode == 0
@@ -417,6 +419,7 @@ def test_resume_removes_orphaned_files_and_keeps_wall_time(corpus, tmp_path):
     assert summary.resumed is True and summary.wall_seconds > before
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_torchrun_says_a_cv_data_error_once(poisoned_corpus, tmp_path):
     data, victim = poisoned_corpus
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -238,6 +238,7 @@ def test_config_file_and_flags(tmp_path):
         == ("bmuf", 7, 0.5)
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_train_on_real_kaldi_yesno_recipe(shared_data, tmp_path):
     """Run from the recipe dir like Kaldi: transition ids mapped through final.mdl, 11 pdfs."""
     recipe = shared_data / "kaldi-yesno"
