@@ -322,6 +322,7 @@ def _config(corpus, out, method, table=None, **changes) -> TrainConfig:
     return validate(replace(cfg, averaging=averaging))
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_plain_settings_train_the_same_model_inproc(corpus, tmp_path, ranks):
     def trained(name, method="model", table=None):

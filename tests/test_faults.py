@@ -94,6 +94,7 @@ def test_stop_request_stops_all_ranks_at_one_round_and_resume_finishes(corpus, t
     assert torch.equal(final_params(tmp_path / "run"), final_params(tmp_path / "full"))
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 @pytest.mark.parametrize("kind, step", [("raise", 5), ("kill", 4), ("kill", 9)])
 def test_mpi_rank_failure_ends_the_job(corpus, tmp_path, kind, step):
     args = ["train", "--data", str(corpus), "--ranks", "2", "--backend", "mpi", *SMALL,

@@ -70,6 +70,7 @@ def test_nonblocking_mean_is_the_blocking_mean_bitwise_inproc(size):
     _check_same_bits(run_inproc(size, _script().exercise), size)
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_nonblocking_mean_is_the_blocking_mean_bitwise_on_mpich(size, tmp_path):
     proc = subprocess.run(mpiexec_command(size, [str(SCRIPT), "mpi", str(tmp_path)]),

@@ -350,6 +350,7 @@ def test_resume_with_other_settings_is_refused(corpus, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_resume_refuses_a_truncated_config_and_a_resized_model(corpus, tmp_path):
     cfg = small_config(corpus, tmp_path / "cut")
     run_dir = _interrupted(cfg, 2)

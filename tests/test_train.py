@@ -146,6 +146,7 @@ SMALL = ["--minibatch", "64", "--epochs", "1", "--hidden-layers", "1", "--hidden
          "--set", "data.buffer_frames=2048"]
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_mpi_ranks_match_inproc_workers(corpus, tmp_path):
     """2 real MPI ranks (mpiexec started by the CLI) and 2 simulated workers: same parameters."""
     common = ["--data", str(corpus), "--ranks", "2", *SMALL]
@@ -211,6 +212,7 @@ def test_cli_bad_config_file(tmp_path):
     assert proc.returncode == 2 and "line 1" in proc.stderr
 
 
+@pytest.mark.slow  # end to end: out of the fast suite's 10 minutes
 def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path):
     args = ["train", "--data", str(corpus), "--out", str(tmp_path / "run"), *SMALL, "--ranks", "1"]
     assert _cli(*args).returncode == 0
