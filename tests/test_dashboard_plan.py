@@ -20,24 +20,13 @@ from dashboard.plan_plot import METHOD_STYLE, STAR
 from dashboard.plan_view import CLASS_PRESET, RANK_CHOICES, RECORDED, PlanView
 from dashboard.runs_table import RunTable
 from dashboard.settings import RunSettings
+from test_dashboard_state import tiny_settings
 from labavg.studies.plan import DEFAULT_KS, METHODS, recommend
 from labavg.training.config import PRESETS
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from labavg.data.synth import synthesize
-
-    out = tmp_path_factory.mktemp("plan") / "c"
-    synthesize(out, hours=0.02, seed=0)
-    return out
-
-
 def _tiny(corpus: Path, runs: Path, **values) -> RunSettings:
-    base = dict(data=str(corpus), runs_dir=str(runs), ranks=1, average_every=2, minibatch=64,
-                epochs=1, hidden_layers=1, hidden_dim=32, context=2,
-                overrides={"data.buffer_frames": 2048})
-    return RunSettings(**{**base, **values})
+    return tiny_settings(corpus, runs, **{"ranks": 1, **values})  # the session's tiny corpus
 
 
 def _run_to_end(live: LiveRun, timeout: float = 120.0) -> None:

@@ -9,16 +9,13 @@ copied by hand: a test run leaves the repository as committed).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from support import wait_for
-from test_dashboard_browser import (ARTIFACTS, BROWSER_ARGS, CHROMIUM, MODELS_JS, REPO,
-                                    _free_port, _on_screen, _wait_http)
+from test_dashboard_browser import corpus, served  # noqa: F401 (fixtures: panel serve on a tiny corpus)
+from test_dashboard_browser import ARTIFACTS, BROWSER_ARGS, CHROMIUM, MODELS_JS, _on_screen
 
 pytestmark = pytest.mark.slow
 
@@ -45,32 +42,6 @@ PLAN_POINTS_JS = """
 """
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(url, runs_dir) of `panel serve dashboard/app.py` on a tiny corpus."""
-    from labavg.data.synth import synthesize
-
-    corpus = tmp_path_factory.mktemp("plan-corpus") / "c"
-    synthesize(corpus, hours=0.02, seed=0)
-    runs = tmp_path_factory.mktemp("plan-served") / "runs"
-    port = _free_port()
-    panel = Path(sys.executable).with_name("panel")
-    proc = subprocess.Popen(
-        [str(panel), "serve", str(REPO / "dashboard" / "app.py"), "--port", str(port),
-         "--address", "127.0.0.1", "--allow-websocket-origin", f"127.0.0.1:{port}",
-         "--args", "--runs-dir", str(runs), "--data", str(corpus)],
-        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}/app"
-        _wait_http(url, proc)
-        yield url, runs
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _star(page) -> tuple[float, float] | None:
