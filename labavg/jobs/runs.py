@@ -117,8 +117,6 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
     started: dict[int, RunStarted] = {}
     end = None
     bar = None
-    # The load (1-minute average) the speedup was measured under, beside it in the summary.
-    load_start = os.getloadavg()[0]
     # A resumed run's speedup counts the pairs measured before it was interrupted too.
     pairs = _pairs_logged(run_dir, cfg.ranks) if resume else []
     try:
@@ -140,7 +138,9 @@ def _consume(cfg: TrainConfig, events: Iterator[Event], run_dir: Path, resume: b
             elif isinstance(event, SpeedupPair):
                 pairs.append((event.solo_step_seconds, event.parallel_step_seconds))
             elif isinstance(event, RunFinished) and event.rank == min(event.members or (0,)):
-                load = {"start": load_start, "end": os.getloadavg()[0]}
+                # The speedup's load is the one its RunStarted event carries, so the live line
+                # and the summary read one measurement (two readings seconds apart differed).
+                load = {"start": started[event.rank].load, "end": os.getloadavg()[0]}
                 end = RunEnd(cfg, started[event.rank], event, pairs, load, resume)
     except Exception as exc:
         _throw_into(events, exc)
