@@ -12,6 +12,7 @@ from labavg.averaging.hierarchy import HierarchicalAverager, node_communicator
 from labavg.averaging.interface import RoundAverager
 from labavg.averaging.overlap import OverlapAverager, fragment_bounds
 from labavg.averaging.registry import methods
+from labavg.averaging.schedule import ScheduledAverager
 from labavg.averaging.settings import AveragingConfig
 from labavg.base.errors import UserError
 from labavg.comm.base import Communicator
@@ -19,6 +20,18 @@ from labavg.comm.base import Communicator
 
 def make_averager(plan: AveragingConfig, minibatch: int, flat: torch.Tensor, comm: Communicator,
                   sizes: list[int] | None = None) -> RoundAverager:
+    """The run's averager (`_method_averager`), inside a ScheduledAverager when
+    `plan.schedule` is not constant (labavg.averaging.schedule): a constant K is the method's
+    own `due`, unchanged."""
+    averager = _method_averager(plan, minibatch, flat, comm, sizes)
+    if plan.schedule == "constant":
+        return averager
+    return ScheduledAverager(averager, plan.schedule, comm.size * minibatch,
+                             plan.post_local_frames)
+
+
+def _method_averager(plan: AveragingConfig, minibatch: int, flat: torch.Tensor,
+                     comm: Communicator, sizes: list[int] | None) -> RoundAverager:
     """The averager of a training run with minibatches of `minibatch` frames: the class of the
     registered method `plan.method` (imported here, not when the method is declared) with its
     table, K, the reduce algorithm and the payload; inside a HierarchicalAverager when

@@ -49,6 +49,9 @@ class HierarchicalAverager:
         self.node_model = inner.global_model.clone() if inner.global_model is not None else None
         self._stop = False
 
+    def observe(self, loss_sum: float, frames: int) -> None:
+        """K is constant here (a schedule does not combine with a hierarchy yet)."""
+
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """ALL every K2-th minibatch and every epoch end, NODE every other K-th, else None."""
         if step % self.across_nodes_every == 0 or end_of_epoch:

@@ -1,7 +1,7 @@
 """What a training loop may ask of an averager, whatever its method, hierarchy or overlap.
 
 The trainer (labavg.training.rank) holds a `RoundAverager` and asks nothing else of it: after
-every minibatch `due` says whether a round is due and of which scope; `round` runs it and
+every minibatch `due` says whether a round is due and of which scope (`observe` has seen its loss first); `round` runs it and
 returns an AverageStats (labavg.averaging.mean), whose fields cover what any kind of round
 measures (node rounds, overlapped means) and are zero where they do not apply; `describe` is
 what the run reports once before training. Checkpoints go through `state_dict` and
@@ -36,6 +36,13 @@ class AveragerInfo:
 
 class RoundAverager(Protocol):
     """The averaging policy of one rank's run (module docstring)."""
+
+    average_every: int  # K in force: the minibatches from the last round to the next
+
+    def observe(self, loss_sum: float, frames: int) -> None:
+        """The minibatch just trained: its loss summed over `frames` frames (a schedule that
+        follows the loss keeps it, labavg.averaging.schedule)."""
+        ...
 
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """The scope of the round after minibatch `step`, or None when no round is due."""

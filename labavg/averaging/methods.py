@@ -119,6 +119,9 @@ class Averager:
 
     # The round --------------------------------------------------------------------------------
 
+    def observe(self, loss_sum: float, frames: int) -> None:
+        """A constant K needs no loss (labavg.averaging.schedule)."""
+
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """The round after minibatch `step`: ALL every K-th and every epoch end, else None."""
         return ALL if step % self.average_every == 0 or end_of_epoch else None
@@ -195,6 +198,9 @@ class Averager:
         if method != self.method:
             raise ValueError(f"the checkpoint was trained with averaging {method!r}, "
                              f"this run uses {self.method!r}")
+        if state is not None and "schedule" in state:  # a ScheduledAverager's checkpoint
+            raise ValueError(f"the checkpoint was trained with averaging schedule "
+                             f"{state['schedule'].get('name')!r}, this run uses 'constant'")
         if self.global_model is not None:
             self.global_model.copy_(flat)
         for name, tensor in self._state().items():

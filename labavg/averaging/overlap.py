@@ -123,6 +123,9 @@ class OverlapAverager:
             self.fragments[0].describe(flat), bytes_per_round=self.bytes_per_round(flat),
             overlap=self.mode, fragment_bytes=tuple(self.fragment_bytes))
 
+    def observe(self, loss_sum: float, frames: int) -> None:
+        """K is constant here (a schedule does not combine with overlap yet)."""
+
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """ALL (blocking, the whole model) at every epoch end, OVERLAP every other K-th."""
         if end_of_epoch:

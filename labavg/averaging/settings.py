@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from labavg.averaging.registry import method_names, method_sections
+from labavg.averaging.schedule_names import SCHEDULES
 from labavg.base.schema import POSITIVE, Rule, integer, named_sections, one_of, setting
 from labavg.comm.settings import REDUCE
 
@@ -78,6 +79,13 @@ class AveragingConfig:
     # the paper: 10 minibatches of 1024 frames
     average_every: int = setting(10, "minibatches between averaging rounds (K)", POSITIVE,
                                  flag="--average-every")
+    schedule: str = setting("constant", "how K changes during the run (constant: every K, the "
+                            "paper; post_local: every minibatch for the first post_local_frames "
+                            "frames, then every K; adacomm: K shrinking with the training loss, "
+                            "ceil(K sqrt(loss / first loss)))", one_of(SCHEDULES),
+                            flag="--average-schedule")
+    post_local_frames: int = setting(0, "schedule = post_local: frames all workers together "
+                                     "train while averaging every minibatch", integer(0))
     average_every_frames: int | None = setting(
         None, "frames between averaging rounds (K = round(frames / minibatch))", POSITIVE,
         flag="--average-every-frames")
@@ -135,6 +143,15 @@ class AveragingConfig:
 
     def problem(self, prefix: str = "") -> str | None:
         """What the section's settings do not combine with; the message, or None."""
+        if self.schedule != "constant" and (self.overlap != "none"
+                                            or self.hierarchy.across_nodes_every > 0):
+            with_ = (f"overlap = {self.overlap!r}" if self.overlap != "none"
+                     else "averaging.hierarchy.across_nodes_every > 0")
+            return (f"averaging.schedule = {self.schedule!r} does not combine with {with_} yet "
+                    f"(set schedule = \"constant\")")
+        if self.schedule == "post_local" and self.post_local_frames == 0:
+            return ("averaging.schedule = \"post_local\" needs averaging.post_local_frames > 0 "
+                    "(the frames averaged every minibatch before K takes over)")
         if self.payload != "fp32" and self.reduce != "allreduce":
             # A compressed payload is gathered, not reduced: the reduce algorithms sum fp32.
             return (f"averaging.payload = {self.payload!r} gathers the ranks' compressed changes "

@@ -90,6 +90,9 @@ class Averaged(Event):
     # (blocking); "overlap": every rank, the mean running while the next K minibatches compute
     wait_seconds: float = 0.0  # overlap: inside the wait for the mean started one round earlier
     in_flight_seconds: float = 0.0  # overlap: that mean's start to the end of its wait
+    # K from this round to the next (averaging.schedule: it may change at a round); 0 in the
+    # logs of runs made before it was recorded
+    average_every: int = 0
 
 
 @dataclass(frozen=True)

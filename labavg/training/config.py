@@ -179,6 +179,9 @@ class TrainConfig:
             why = f"backend = {self.backend!r}: elastic runs are torch processes under torchft"
         elif self.averaging.hierarchy.across_nodes_every > 0:
             why = "averaging.hierarchy: a node group has no elastic form"
+        elif self.averaging.schedule != "constant":
+            why = (f"averaging.schedule = {self.averaging.schedule!r}: a worker joining would "
+                   f"need the schedule's state, which the heal does not carry yet")
         elif self.averaging.overlap != "none":
             why = (f"averaging.overlap = {self.averaging.overlap!r}: a worker joins as a round "
                    f"opens, and an overlapped round is still in flight then")

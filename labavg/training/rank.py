@@ -302,6 +302,7 @@ def _train_minibatch(run: _RankRun, epoch: int, x: torch.Tensor, y: torch.Tensor
     progress.epoch_sums += torch.tensor(
         [result.loss_sum, result.correct, result.frames], dtype=torch.float64
     )
+    run.averager.observe(result.loss_sum, result.frames)
     progress.step += 1
     step = progress.step
     if step % run.cfg.log_every == 0 or not result.stats.applied:
@@ -334,7 +335,7 @@ def _average(run: _RankRun, scope: str, admitted: bool = False) -> Iterator[Even
         compute_seconds=compute, comm_seconds=stats.comm_seconds,
         frames_per_second=run.round_frames / compute if compute > 0 else 0.0,
         bytes_sent=stats.bytes_sent, scope=scope, wait_seconds=stats.wait_seconds,
-        in_flight_seconds=stats.in_flight_seconds,
+        in_flight_seconds=stats.in_flight_seconds, average_every=run.averager.average_every,
     )
     run.round_compute, run.round_frames = 0.0, 0
     if stats.stop:
