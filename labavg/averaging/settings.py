@@ -148,7 +148,7 @@ class AveragingConfig:
             with_ = (f"overlap = {self.overlap!r}" if self.overlap != "none"
                      else "averaging.hierarchy.across_nodes_every > 0")
             return (f"averaging.schedule = {self.schedule!r} does not combine with {with_} yet "
-                    f"(set schedule = \"constant\")")
+                    f"(set averaging.schedule = \"constant\")")
         if self.schedule == "post_local" and self.post_local_frames == 0:
             return ("averaging.schedule = \"post_local\" needs averaging.post_local_frames > 0 "
                     "(the frames averaged every minibatch before K takes over)")
