@@ -28,7 +28,7 @@ from typing import Any, TextIO
 from labavg.base.checkpoint import atomic_write_text
 from labavg.base.errors import UserError, one_line, user_error_of
 from labavg.base.paths import require_writable
-from labavg.studies.reproduction import beyond, elastic, regime
+from labavg.studies.reproduction import beyond, elastic, regime, schedules
 from labavg.studies.reproduction.paper import base_settings
 from labavg.studies.reproduction.report import DISCUSSION_MARKER, render_report
 from labavg.studies.reproduction.results import (RESULTS_FILE, SWEEPS, Run, collect,
@@ -250,8 +250,8 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
     """Run (or resume) every experiment, then write the report and the figure; return its path.
 
     With `train` False nothing is trained: the report is remade from the runs there are.
-    `only`: the experiments to train (sweep names, "mpi", "elastic"); the others are reported
-    from their runs or the results file."""
+    `only`: the experiments to train (sweep names, "mpi", "elastic", "schedules"); the others
+    are reported from their runs or the results file."""
     start = time.perf_counter()
     unknown = sorted(set(only or ()) - set(SWEEPS))
     if unknown:
@@ -277,6 +277,8 @@ def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path
             measure_mpi(exp.paper, out / "mpi")
         if exp.elastic.is_file() and wanted("elastic"):
             elastic.run_all(exp.elastic, out / "elastic")
+        if exp.schedules.is_file() and wanted("schedules"):
+            schedules.run_all(exp.schedules, out / "schedules")
     beyond_figure = figure.with_name("beyond-the-paper.png")
     runs = with_recorded(collect(out), results)
     write_results_file(runs, results)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from labavg.studies.reproduction import beyond, elastic, real_speech, regime
+from labavg.studies.reproduction import beyond, elastic, real_speech, regime, schedules
 from labavg.studies.reproduction.paper import PROBES, base_settings
 from labavg.studies.reproduction.paper_tables import (comparison_sections, headline_table,
                                                       probe_section, schedule_trace, yesno_section)
@@ -73,5 +73,7 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
         parts += [""] + beyond.section(runs["beyond"], experiments.beyond, beyond_figure, report)
     if runs.get("elastic"):
         parts += [""] + elastic.section(runs["elastic"], experiments.elastic)
+    if runs.get("schedules"):
+        parts += [""] + schedules.section(runs["schedules"], experiments.schedules)
     return "\n".join(parts) + "\n"
 

@@ -104,7 +104,7 @@ def run_trace(run_dir: Path) -> dict[str, Any]:
 
 
 SWEEPS = ("paper", "regime", "regime-variables", "yesno", "mpi", "explain", "beyond", "asterisk",
-          "elastic")
+          "elastic", "schedules")
 # What a results file keeps of each run's settings: enough to select and to describe it.
 _KEPT = ("ranks", "averaging.average_every", "optimizer", "pretrain", "schedule", "minibatch",
          "seed", "epochs", "lr", "lr_scaling", "backend", "data.data", "corpus_hours",

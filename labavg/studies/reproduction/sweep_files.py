@@ -65,6 +65,10 @@ class Experiments:
     def elastic(self) -> Path:
         return self.directory / "elastic.toml"
 
+    @property
+    def schedules(self) -> Path:
+        return self.directory / "schedules.toml"
+
 
 def tiny_sweep(spec: dict[str, Any], corpora: list[dict[str, Any]],
                ranks: list[int] | None = None) -> dict[str, Any]:
