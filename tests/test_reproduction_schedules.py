@@ -56,7 +56,8 @@ def test_k_equal_bytes_from_a_recorded_summary():
 
 
 def test_run_names_round_trip_and_others_are_not_parsed():
-    assert schedules.parse_name(schedules.run_name("post_local", 32, 2)) == ("post_local", None, 32, 2)
+    assert schedules.parse_name(schedules.run_name("post_local", 32, 2)) == (
+        "post_local", None, 32, 2)
     assert schedules.parse_name(schedules.run_name("constant", 16, 1, 7)) == ("constant", 7, 16, 1)
     for other in ("kept-s0", "seed_0-ranks_16", "adacomm-k7-n16-s0", "a-b-c-d-e"):
         assert schedules.parse_name(other) is None
@@ -111,7 +112,7 @@ def test_the_section_has_a_table_per_n_and_reads_the_verdicts(tmp_path):
     assert "first 72,000 frames trained by all workers together (23 % of the first" in text
     assert "156 updates per worker at N = 16" in text and "the 30 runs" in text
     assert "- post_local vs constant at equal bytes: **worse**" in text
-    assert "oversubscribed" in text
+    assert "the 16 or 32 workers are threads of one process" in text and "oversubscribed" in text
     assert text.endswith("the same bytes spent evenly do as well.")
     assert ("verdicts against constant K: at equal K0, 2 better, 2 unresolved; at equal bytes, "
             "2 unresolved, 2 worse.") in text
@@ -177,3 +178,11 @@ def test_the_report_ends_with_the_schedules_section(tmp_path):
     assert text.rstrip().endswith(schedules.section(_runs(16), Experiments(
         REPO / "experiments").schedules)[-1])
     assert text.count("## Beyond the paper: averaging schedules") == 1
+
+
+def test_the_figure_is_written_and_linked_from_the_section(tmp_path):
+    path = schedules.figure(_runs(16) + _runs(32), tmp_path / "docs" / schedules.FIGURE)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = schedules.section(_runs(16), tmp_path / "none.toml", path, tmp_path / "R.md")
+    assert f"](docs/{schedules.FIGURE})" in "\n".join(lines)
+    assert not any("![" in line for line in schedules.section(_runs(16), tmp_path / "none.toml"))

@@ -230,7 +230,7 @@ def _real_speech_job(exp: Experiments, out: Path) -> list[Job]:
 
 def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,
                   beyond_figure: Path) -> None:
-    """The regime map and the Beyond figure, from the runs there are."""
+    """The regime map and the Beyond figures, from the runs there are."""
     points = regime.regime_points(runs["regime"])
     if points:
         base = base_settings(runs["paper"], exp.paper)
@@ -240,6 +240,8 @@ def _draw_figures(runs: dict[str, list[Run]], exp: Experiments, figure: Path,
     if runs["beyond"]:
         beyond.figure(runs["beyond"], select([r for r in runs["beyond"] if r.get("ranks") == 1]),
                       beyond_figure)
+    if runs["schedules"]:
+        schedules.figure(runs["schedules"], figure.with_name(schedules.FIGURE))
 
 
 def reproduce(out: Path, *, experiments: Path = Path("experiments"), yesno: Path | None = None,

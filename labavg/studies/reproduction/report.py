@@ -74,6 +74,7 @@ def render_report(runs: dict[str, list[Run]], experiments: Experiments, *, comma
     if runs.get("elastic"):
         parts += [""] + elastic.section(runs["elastic"], experiments.elastic)
     if runs.get("schedules"):
-        parts += [""] + schedules.section(runs["schedules"], experiments.schedules)
+        parts += [""] + schedules.section(runs["schedules"], experiments.schedules, figure and
+                                          figure.with_name(schedules.FIGURE), report)
     return "\n".join(parts) + "\n"
 

@@ -23,16 +23,19 @@ seed, under the report's one rule (labavg.studies.reproduction.beyond.compare).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from labavg.base.errors import UserError
 from labavg.studies.reproduction.beyond import compare
+from labavg.studies.reproduction.figures import save_png
 from labavg.studies.reproduction.results import Run, stat
 from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, num
 
 CONSTANT = "constant"
+FIGURE = "schedules-vs-constant.png"  # beside the report's other figures
 SCHEDULE_KEY = "averaging.schedule"
 _LABELS = {"constant": "constant K", "post_local": "post-local SGD (Lin et al. 2020)",
            "adacomm": "AdaComm (Wang & Joshi 2019)"}
@@ -210,8 +213,9 @@ def verdicts(runs: dict[str, Run]) -> list[tuple[str, str, str]]:
         for what, ref in (("at equal K0", _arm(runs, CONSTANT)),
                           ("at equal bytes", equal_bytes(runs, arm))):
             diff, word = compare(cell, ref, "cv_acc_pct")
+            seeds = len(set(cell) & set(ref))
             out.append((arm, what, f"**{word}** ({interval(diff)} points of CV frame accuracy, "
-                                   f"{len(set(cell) & set(ref))} seeds)"))
+                                   f"{seeds} seed{'' if seeds == 1 else 's'})"))
     return out
 
 
@@ -231,8 +235,10 @@ def reading(by_ranks: dict[int, dict[str, Run]]) -> str:
             "the equal-bytes row asks whether the same bytes spent evenly do as well.")
 
 
-def section(runs: list[Run], sweep_file: Path) -> list[str]:
-    """The report's "averaging schedules" section (markdown lines) from schedules.toml's runs."""
+def section(runs: list[Run], sweep_file: Path, figure_path: Path | None = None,
+            report: Path | None = None) -> list[str]:
+    """The report's "averaging schedules" section (markdown lines) from schedules.toml's runs;
+    `figure_path` (written by `figure`) is shown where it is, linked from `report`."""
     runs = sorted(runs, key=lambda r: r.name)
     parsed = [p for p in map(parse_name, (r.name for r in runs)) if p is not None]
     by_ranks = {n: _by_name(runs, n) for n in sorted({p[2] for p in parsed})}
@@ -257,13 +263,21 @@ def section(runs: list[Run], sweep_file: Path) -> list[str]:
         f"rounds. {num(s.get('corpus_hours'), 1)} h synthetic corpus, model "
         f"{s.get('model.hidden_layers')} x {s.get('model.hidden_dim')}, {s.get('epochs')} epochs "
         f"of minibatch {s.get('minibatch')}, NG-SGD, learning rate {s.get('lr')} x N, backend "
-        "inproc: the 16 or 32 workers are threads of one process on a 2-core machine "
+        f"inproc: the {' or '.join(map(str, by_ranks))} workers are threads of one process on "
+        "a 2-core machine "
         "(oversubscribed), one run at a time; "
         + ", ".join(f"{steps[n]} updates per worker at N = {n}" for n in by_ranks)
-        + f". Sized so that the {len(runs)} runs fit under an hour: CV frame accuracy only (no "
-        "decode), a small scale at which a schedule's effect may not show the way it would in "
-        "a run of thousands of updates. Verdicts: the report's rule, against zero (per seed, "
+        + f". Sized so that the {len(runs)} runs fit under an hour (their training took "
+        f"{sum(r.summary.wall_seconds or 0.0 for r in runs) / 60:.0f} min of wall time in all, "
+        "on the shared machine): CV frame accuracy only (no decode), a small scale at which a "
+        "schedule's effect may not show the way it would in a run of thousands of updates. "
+        "Verdicts: the report's rule, against zero (per seed, "
         "the schedule's CV frame accuracy minus the reference's, in points).", ""]
+    if figure_path is not None and report is not None and figure_path.is_file():
+        rel = os.path.relpath(figure_path.resolve(), report.resolve().parent)
+        out += [f"![CV frame accuracy against bytes sent, schedules and constant K]({rel})", "",
+                "The figure's bars are the spread over seeds, most of it shared by every arm of "
+                "a seed; the verdicts pair the seeds.", ""]
     for ranks, group in by_ranks.items():
         out += [f"### {ranks} workers", "", *table(group), ""]
         out += [f"- {arm} vs constant {what}: {text}" for arm, what, text in verdicts(group)]
@@ -290,3 +304,49 @@ def _post_local_frames(sweep_file: Path) -> int | None:
         return int(base.get("averaging", {}).get("post_local_frames"))
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError):
         return None
+
+
+_COLORS = {"post_local": "#1f77b4", "adacomm": "#2ca02c"}
+
+
+def figure(runs: list[Run], path: Path) -> Path:
+    """CV frame accuracy against MB sent per worker, a panel per N: the constant runs (K0 and
+    each K_eq) as a line over their bytes, each schedule as a point (mean ± sd over seeds).
+    A schedule above the line does better than constant K at its bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, whatever backend a notebook chose
+    import matplotlib.pyplot as plt
+
+    workers = sorted({p[2] for p in map(parse_name, (r.name for r in runs)) if p is not None})
+    fig, axes = plt.subplots(1, max(1, len(workers)), figsize=(5.2 * max(1, len(workers)), 4.0),
+                             squeeze=False)
+    for ax, ranks in zip(axes[0], workers):
+        by_name = _by_name(runs, ranks)
+        constant = {}  # K: runs by seed
+        for name, run in by_name.items():
+            arm, k, _, seed = parse_name(name)
+            if arm == CONSTANT:
+                constant.setdefault(run.get("averaging.average_every"), {})[seed] = run
+        line = sorted((_mean(c, lambda r: (r.summary.bytes_sent or 0) / 1e6 or None),
+                       stat(c, "cv_acc_pct"), k) for k, c in constant.items())
+        line = [p for p in line if p[0] is not None and p[1] is not None]
+        ax.errorbar([p[0] for p in line], [p[1].mean for p in line],
+                    yerr=[p[1].sd for p in line], color="#d62728", marker="o", capsize=3,
+                    label="constant K")
+        for mb, acc, k in line:
+            ax.annotate(f"K={k}", (mb, acc.mean), textcoords="offset points", xytext=(5, -12),
+                        fontsize=8, color="#d62728")
+        for arm in _schedules(by_name):
+            cell = _arm(by_name, arm)
+            mb, acc = _mean(cell, lambda r: (r.summary.bytes_sent or 0) / 1e6 or None), \
+                stat(cell, "cv_acc_pct")
+            if mb is not None and acc is not None:
+                ax.errorbar([mb], [acc.mean], yerr=[acc.sd], marker="s", capsize=3,
+                            linestyle="none", color=_COLORS.get(arm, "black"), label=arm)
+        ax.set_title(f"{ranks} workers")
+        ax.set_xlabel("MB sent per worker, whole run")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    axes[0][0].set_ylabel("CV frame accuracy (%), mean ± sd over seeds")
+    return save_png(fig, path)
