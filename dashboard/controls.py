@@ -13,9 +13,11 @@ from dashboard.live import LiveRun
 from dashboard.settings import GENERAL, RunSettings, describe_config
 
 
-SETTINGS_ORDER = ("backend", "ranks", "average_every", "averaging", "momentum", "reduce",
-                  "payload", "payload_bits", "lr", "final_lr", "schedule", "optimizer", "pretrain",
-                  "epochs", "minibatch", "context", "hidden_layers", "hidden_dim")
+# Two to a row: the schedule of K and its frames in the row under K.
+SETTINGS_ORDER = ("backend", "ranks", "average_every", "average_schedule", "post_local_frames",
+                  "averaging", "momentum", "reduce", "payload", "payload_bits", "lr", "final_lr",
+                  "schedule", "optimizer", "pretrain", "epochs", "minibatch", "context",
+                  "hidden_layers", "hidden_dim")
 _ERROR_STYLE = {"color": "#b00020", "font-size": "0.85em", "line-height": "1.25"}
 # Markdown's paragraph margins would leave a blank line under every message.
 _ERROR_SHEET = ["p { margin: 0; }"]
@@ -98,12 +100,13 @@ def settings_panel(settings: RunSettings) -> pn.Column:
     show()
 
     def enable(*_: Any) -> None:
-        # A box the chosen method or payload has no use for is greyed out, not hidden.
-        for name in ("momentum", "payload_bits"):
+        # A box the chosen method, payload or schedule has no use for is greyed out, not hidden.
+        for name in ("momentum", "payload_bits", "post_local_frames"):
             widgets[name].disabled = settings.key_of(name) is None
         widgets["momentum"].name = settings.label("momentum")  # the chosen method's knob
 
-    pn.bind(enable, settings.param.averaging, settings.param.payload, watch=True)
+    pn.bind(enable, settings.param.averaging, settings.param.payload,
+            settings.param.average_schedule, watch=True)
     enable()
 
     def cell(name: str) -> pn.Column:

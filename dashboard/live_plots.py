@@ -28,6 +28,9 @@ CURVES, ACCURACY, SPEEDUP = "curves", "accuracy", "speedup"
 # The step plot of the workers present (dashboard.membership.Workers: each change once, not
 # one curve per rank; fed by run_started, averaging rounds, member_lost and member_joined).
 WORKERS = "workers"
+# Streamed curves drawn as steps: each value holds from its x until the next one's (an
+# averaging round's K is the K in force up to the next round, not a slope between them).
+STEPS = "steps"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,18 @@ class Series:
     label: str
     value: Callable[[Any], float]
     style: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A value the event carries for "not recorded" (an older log's 0), drawn as a gap (NaN)
+    # rather than as that value. Not NaN in the rows: the buffers read NaN as a rank not heard.
+    gap: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKind:
+    """What decides which plots a run shows (dashboard.membership.run_kind reads it from the
+    run's config): whether workers may leave and join, and whether K changes during the run."""
+
+    elastic: bool = False
+    scheduled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +75,9 @@ class LivePlot:
     # Shown for every run (None), only for an elastic one (True: workers leave and join), or
     # only for a run of fixed N (False: the speedup, which an elastic run does not measure).
     elastic: bool | None = None
+    # Likewise by averaging.schedule: only for a run whose K changes (True: a schedule that is
+    # not constant), only for one of constant K (False), or for both (None).
+    scheduled: bool | None = None
     # Drawn on the figure of the plot of this name, not on one of its own: another feed of
     # the same axes (the CV checks inside epochs, on the accuracy plot of the epoch ends).
     onto: str | None = None
@@ -72,9 +90,10 @@ class LivePlot:
         """The title of this plot for a run of `ranks` ranks."""
         return self.title(ranks) if callable(self.title) else self.title
 
-    def shown(self, elastic: bool) -> bool:
-        """Whether the plot is shown for a run that is (or is not) elastic."""
-        return self.elastic is None or self.elastic == elastic
+    def shown(self, kind: RunKind) -> bool:
+        """Whether the plot is shown for a run of this kind."""
+        return all(wanted is None or wanted == is_ for wanted, is_ in
+                   ((self.elastic, kind.elastic), (self.scheduled, kind.scheduled)))
 
     @property
     def per_rank(self) -> bool:
@@ -98,6 +117,13 @@ LIVE_PLOTS: tuple[LivePlot, ...] = (
     LivePlot("loss", MinibatchDone, "step", (Series("loss", "loss", lambda e: e.loss),),
              title="Training loss per rank", xlabel="step (minibatches)",
              ylabel="loss (nats/frame)"),
+    # averaging.schedule's K at rank 0's rounds (every rank has the same), beside the loss
+    # that adacomm follows: each round's K holds up to the next round, so a change is a step.
+    LivePlot("k", Averaged, "step",
+             (Series("average_every", "K", lambda e: e.average_every,
+                     {"color": "#17becf", "line_width": 2.5}, gap=0),),
+             ranks=RANK0, title="Averaging interval K (schedule)", xlabel="step (minibatches)",
+             ylabel="K (minibatches to the next round)", legend=None, draw=STEPS, scheduled=True),
     LivePlot("divergence", Averaged, "round", (Series("div", "divergence", lambda e: e.divergence),),
              title=_divergence_title, xlabel="averaging round", ylabel="relative RMS distance",
              over=True),

@@ -1,8 +1,9 @@
 """The Live tab: the run on screen's plots (dashboard.live_plots declares them), its speedup line.
 
 Every plot is made from its `LivePlot` entry: streamed curves (`StreamedCurves`, appended to
-as rows come), the accuracy plot (`AccuracyPlot`) or the speedup plot (`SpeedupPlot`). A
-fresh `LivePlots` is made for each page (a Viewer, its panes owned by that page's document).
+as rows come; `StepCurves` for a step plot), the accuracy plot (`AccuracyPlot`) or the
+speedup plot (`SpeedupPlot`). A fresh `LivePlots` is made for each page (a Viewer, its panes
+owned by that page's document).
 `LivePlots.stream` is the view half of the page's one periodic flush (dashboard.app): the rows
 `LiveRun.drain` collected go to the browser at most once a flush."""
 
@@ -16,9 +17,9 @@ import panel as pn
 
 from dashboard.buffers import POINTS_PER_CURVE, RunBuffers
 from dashboard.live import LiveRun
-from dashboard.live_plots import (ACCURACY, EACH, LIVE_PLOTS, MEAN, RANK0, SPEEDUP, SUM, WORKERS,
-                                  LivePlot)
-from dashboard.membership import is_elastic
+from dashboard.live_plots import (ACCURACY, EACH, LIVE_PLOTS, MEAN, RANK0, SPEEDUP, STEPS, SUM,
+                                  WORKERS, LivePlot)
+from dashboard.membership import run_kind
 from dashboard.plots import (
     FLEX_ITEM,
     MIN_PLOT_WIDTH,
@@ -78,12 +79,30 @@ def figure_of(plot: LivePlot, ranks: int, maxlen: int) -> Any:
     if plot.draw == ACCURACY:
         return AccuracyPlot(maxlen)
     legend = plot.legend is not None and (plot.ranks != EACH or ranks <= _LEGEND_MAX_RANKS)
-    figure = StreamedCurves(plot.x, curves_of(plot, ranks), maxlen, plot.title_for(ranks),
-                            plot.xlabel, plot.ylabel, legend, plot.legend or "top_right",
-                            **count_axis())
+    curves = StepCurves if plot.draw == STEPS else StreamedCurves
+    figure = curves(plot.x, curves_of(plot, ranks), maxlen, plot.title_for(ranks), plot.xlabel,
+                    plot.ylabel, legend, plot.legend or "top_right", **count_axis())
     if plot.draw == WORKERS:
         counts(figure.element)
     return figure
+
+
+class StepCurves(StreamedCurves):
+    """Streamed curves drawn as steps (live_plots.STEPS): a row's values hold from its x up to
+    the next row's, so each row is sent as two points, the values before it at its x, then its
+    own (a gap, NaN, stays a gap on both sides)."""
+
+    def stream(self, rows: pd.DataFrame) -> None:
+        if not len(rows):
+            return
+        rows = rows.reset_index(drop=True)
+        before = rows.shift(1)
+        for column in self.columns[1:]:
+            # The first row continues the curve's last value (its own, on a new curve).
+            before.loc[0, column] = self._last.get(column, (None, rows.loc[0, column]))[1]
+        before[self.x] = rows[self.x]
+        # before_0, row_0, before_1, row_1, ...: a stable sort keeps `before` first at each index.
+        super().stream(pd.concat([before, rows]).sort_index(kind="stable").reset_index(drop=True))
 
 
 def rows_of(plot: LivePlot, buffers: RunBuffers) -> pd.DataFrame | None:
@@ -98,6 +117,9 @@ def rows_of(plot: LivePlot, buffers: RunBuffers) -> pd.DataFrame | None:
     frame = {plot.x: [row[0] for row in taken[0][1][:n]]}
     for s, rows in taken:
         rows = np.asarray(rows[:n], dtype=float)
+        if s.gap is not None:
+            values = rows[:, 1:]
+            values[values == s.gap] = np.nan
         if plot.ranks == EACH:
             for r in range(rows.shape[1] - 2):
                 frame[f"{s.column}_r{r}"] = rows[:, 1 + r]
@@ -138,21 +160,22 @@ class LivePlots(pn.viewable.Viewer):
         self._shown = False
         self._speedup_shown: RunSpeedup | None = None
         self.figures: dict[str, Any] = {}
-        self.elastic = is_elastic(live.config)
+        self.kind = run_kind(live.config)
         self._build(live.buffers.ranks, every=True)
         # The old run's curves go the moment a new run replaces it, not at the next flush.
         pn.bind(lambda _: self._new_run(), live.param.generation, watch=True)
-        # An elastic run shows its workers present where a run of fixed N shows its speedup.
+        # An elastic run shows its workers present where a run of fixed N shows its speedup; a
+        # run whose K changes shows its K.
         self.flex = pn.FlexBox(flex_wrap="wrap", sizing_mode="stretch_width")
         pn.bind(self._show_kind, live.param.config, watch=True)
         self._show_kind(live.config)
         self._show_speedup()
 
     def _show_kind(self, config: dict[str, Any]) -> None:
-        self.elastic = is_elastic(config)
-        # A plot drawn only for the other kind of run is drawn when such a run first comes
+        self.kind = run_kind(config)
+        # A plot drawn only for another kind of run is drawn when such a run first comes
         # (the N plot built on every page cost a tenth of the Live tab's server time).
-        missing = [p.name for p in self.plots if p.shown(self.elastic) and p.name not in self.figures]
+        missing = [p.name for p in self.plots if p.shown(self.kind) and p.name not in self.figures]
         for plot in self.plots:
             if plot.name in missing:
                 self.figures[plot.name] = self._figure(plot, self.ranks)
@@ -163,7 +186,7 @@ class LivePlots(pn.viewable.Viewer):
         # The plots' box takes the panes of this kind of run. (Not the panes' `visible`: set
         # on a bokeh pane on a served page, Panel re-read the figure's stylesheets and raised.)
         shown = [self.panes[plot.name] for plot in self.plots
-                 if plot.shown(self.elastic) and plot.name in self.panes]
+                 if plot.shown(self.kind) and plot.name in self.panes]
         if shown != list(self.flex.objects):
             self.flex.objects = shown
 
@@ -185,7 +208,7 @@ class LivePlots(pn.viewable.Viewer):
         self.ranks = ranks
         self._rebuild = None
         built = [plot.name for plot in self.plots
-                 if (every or plot.per_rank) and plot.shown(self.elastic)]
+                 if (every or plot.per_rank) and plot.shown(self.kind)]
         for plot in self.plots:
             if plot.name in built:
                 self.figures[plot.name] = self._figure(plot, ranks)
@@ -226,7 +249,7 @@ class LivePlots(pn.viewable.Viewer):
             for plot in self.plots:
                 if plot.draw == SPEEDUP and plot.name in self.figures:
                     self.figures[plot.name].show(speedup, (measured.cores if measured else 0) or self.cores)
-        text = (elastic_text(self.live.buffers.workers) if self.elastic
+        text = (elastic_text(self.live.buffers.workers) if self.kind.elastic
                 else speedup_text(speedup, self.cores))
         if text != self.speedup_line.object:
             self.speedup_line.object = text

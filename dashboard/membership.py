@@ -5,7 +5,9 @@ every launch rank, and each averaging round opens with an admission round that m
 worker or let one in (labavg.training.membership). Every worker present reports what changed,
 so one change arrives as one `member_lost` or `member_joined` per worker: `Workers` takes each
 change once (by its round and ranks) and keeps the step plot of N, the workers present, with a
-point at every averaging round so the line reaches the run's latest round.
+point at every averaging round so the line reaches the run's latest round. `run_kind` says
+from a run's config whether it is such a run (and whether its K changes: the live plots each
+kind shows, dashboard.live_plots).
 """
 
 from __future__ import annotations
@@ -15,26 +17,39 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from dashboard.live_plots import RunKind
 from labavg.base.errors import UserError
 from labavg.base.events import Averaged, Event, MemberJoined, MemberLost, RunStarted
 from labavg.training.config import TrainConfig, config_from_dict
 
 
-def elastic_run(config: Mapping[str, Any]) -> TrainConfig | None:
-    """The settings of a run whose config (config.json's object, as the page holds it) makes
-    it elastic, where workers may leave and join; None for a run of fixed N."""
+def _run_config(config: Mapping[str, Any]) -> TrainConfig | None:
     if not config:
         return None
     try:
-        cfg = config_from_dict(dict(config), "the run on screen's config")
+        return config_from_dict(dict(config), "the run on screen's config")
     except UserError:  # said where the run is read (its speedup, its settings)
         return None
-    return cfg if cfg.backend == "torch" and cfg.on_rank_loss == "continue" else None
 
 
-def is_elastic(config: Mapping[str, Any]) -> bool:
-    """Whether the run of `config` is elastic."""
-    return elastic_run(config) is not None
+def elastic_run(config: Mapping[str, Any]) -> TrainConfig | None:
+    """The settings of a run whose config (config.json's object, as the page holds it) makes
+    it elastic, where workers may leave and join; None for a run of fixed N."""
+    cfg = _run_config(config)
+    return cfg if cfg is not None and _elastic(cfg) else None
+
+
+def _elastic(cfg: TrainConfig) -> bool:
+    return cfg.backend == "torch" and cfg.on_rank_loss == "continue"
+
+
+def run_kind(config: Mapping[str, Any]) -> RunKind:
+    """The kind of the run of `config` (which live plots it shows): elastic or of fixed N,
+    with K changing (averaging.schedule not constant) or constant; read once per config."""
+    cfg = _run_config(config)
+    if cfg is None:
+        return RunKind()
+    return RunKind(elastic=_elastic(cfg), scheduled=cfg.averaging.schedule != "constant")
 
 
 @dataclasses.dataclass(frozen=True)

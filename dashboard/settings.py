@@ -36,7 +36,9 @@ CONTROLS: dict[str, str] = {}
 DEFAULTS = "defaults"  # the preset of TrainConfig's own defaults
 # The key of a problem that no single control owns (settings that contradict each other).
 GENERAL = ""
-_KEPT_BY_PRESETS = ("ranks", "average_every", "data")
+# The schedule stays with K: it is how K goes during the run (post_local's frames with it), so
+# a preset chosen after adacomm does not quietly put a constant K back.
+_KEPT_BY_PRESETS = ("ranks", "average_every", "average_schedule", "post_local_frames", "data")
 # What `_values` sets whatever the boxes say: never an override of a run shown in the boxes.
 _SET_BY_THE_PAGE = ("out", "backend", "tensorboard")
 # One box for the method chosen: the setting of its table that its declaration names as its
@@ -101,6 +103,9 @@ class RunSettings(param.Parameterized):
                              doc="in-process workers: threads of the dashboard; MPI engines: ipyparallel")
     ranks = control("ranks", "ranks")
     average_every = control("averaging.average_every", "K (average every)")
+    # Named as the CLI's flag (--average-schedule): `schedule` is the learning rate's.
+    average_schedule = control("averaging.schedule", "K schedule", name="average_schedule")
+    post_local_frames = control("averaging.post_local_frames", "post-local frames")
     # Named as the CLI's flag (--averaging): "method" alone says less beside the other boxes.
     averaging = control("averaging.method", "averaging method", name="averaging")
     # Typed by the first method with a knob; checked by the chosen method's rule (`key_of`).
@@ -110,7 +115,7 @@ class RunSettings(param.Parameterized):
     payload_bits = control("averaging.payload_bits", "payload bits (int)")
     lr = control("lr", "learning rate")
     final_lr = control("final_lr", "final lr")
-    schedule = control("schedule", "schedule")
+    schedule = control("schedule", "lr schedule")
     optimizer = control("optimizer", "optimizer")
     pretrain = control("pretrain", "pretrain")
     minibatch = control("minibatch", "minibatch")
@@ -196,6 +201,8 @@ class RunSettings(param.Parameterized):
             return method_knob(self.averaging)
         if name == "payload_bits" and self.payload != "int":
             return None  # only integer codes have a number of bits
+        if name == "post_local_frames" and self.average_schedule != "post_local":
+            return None  # only post_local averages every minibatch for a number of frames
         return CONTROLS[name]
 
     def _values(self, out: str | Path) -> dict[str, Any]:
@@ -259,6 +266,8 @@ class RunSettings(param.Parameterized):
             if problem is not None:
                 found[name] = (f"{self.label(name)} needs a value" if getattr(self, name) is None
                                else self.in_words(problem))
+        if not {"average_schedule", "post_local_frames"} & found.keys():
+            found.update(self._schedule_problem())
         problem = check_directory(self.runs_dir or "", "runs directory", "the runs directory")
         if problem is None and not (self.runs_dir or "").strip():
             problem = "runs directory must be a non-empty path; got ''"
@@ -288,6 +297,21 @@ class RunSettings(param.Parameterized):
             for name, problem in fit_problems(values).items():
                 found.setdefault(name, problem)
         return found
+
+    def _schedule_problem(self) -> dict[str, str]:
+        """The averaging schedule's refusal (AveragingConfig.problem) under the box to change:
+        post_local without frames under the frames box, a schedule that another setting rules
+        out (overlap, hierarchy) under the schedule's. Said by `validate` too, but there under
+        Start, away from both boxes."""
+        try:
+            averaging = self.build("x").averaging
+        except (UserError, TypeError, ValueError):
+            return {}  # a box's own refusal says it
+        problem = averaging.problem()
+        if problem is None or problem == dataclasses.replace(averaging, schedule="constant").problem():
+            return {}  # none, or not the schedule's
+        frames = dataclasses.replace(averaging, post_local_frames=1).problem() != problem
+        return {"post_local_frames" if frames else "average_schedule": self.in_words(problem)}
 
     def warnings_now(self) -> dict[str, str]:
         """What will run but deserves a word beside its box (the run may still start)."""
@@ -349,7 +373,10 @@ def describe_config(config: TrainConfig | Mapping[str, Any]) -> str:
         f"{payload}{cfg.averaging.payload_bits if payload == 'int' else ''} payload · "
         if payload != "fp32" else "")
     epochs = f"{cfg.epochs} epoch{'' if cfg.epochs == 1 else 's'}"
-    return (f"{backend} × {cfg.ranks} ranks · K={cfg.effective_average_every()} · {averaging}"
+    # K as set; a schedule that changes it during the run is named beside it.
+    schedule = cfg.averaging.schedule
+    k = f"K={cfg.effective_average_every()}" + (f" ({schedule})" if schedule != "constant" else "")
+    return (f"{backend} × {cfg.ranks} ranks · {k} · {averaging}"
             f"{cfg.optimizer} {lr} ({cfg.schedule}) · pretrain {cfg.pretrain} · "
             f"minibatch {cfg.minibatch} · {epochs} · "
             f"{cfg.model.hidden_layers}×{cfg.model.hidden_dim} · data {Path(str(cfg.data.data)).name}")

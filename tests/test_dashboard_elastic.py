@@ -210,7 +210,7 @@ def test_add_says_in_one_line_why_a_join_failed_and_the_page_goes_on(tmp_path):
 
 def test_the_live_tab_draws_n_where_the_speedup_was_and_no_line_bridges_the_gap():
     from dashboard.live import LiveRun
-    from dashboard.live_plots import LIVE_PLOTS
+    from dashboard.live_plots import LIVE_PLOTS, RunKind
     from dashboard.live_view import LivePlots
 
     live = LiveRun()
@@ -220,7 +220,7 @@ def test_the_live_tab_draws_n_where_the_speedup_was_and_no_line_bridges_the_gap(
     live.param.update(config={"backend": "torch", "on_rank_loss": "continue", "ranks": 4},
                       generation=live.generation + 1)
     assert plots.flex.objects == [plots.panes["loss"], plots.panes["workers"]]
-    assert [p.name for p in LIVE_PLOTS if not p.shown(elastic=True)] == ["speedup"]
+    assert [p.name for p in LIVE_PLOTS if not p.shown(RunKind(elastic=True))] == ["k", "speedup"]
     for event in elastic_events():
         live.buffers.add(event)
     while plots.stream() == 0:  # the first flushes let new plots settle
