@@ -113,7 +113,8 @@ def test_the_section_has_a_table_per_n_and_reads_the_verdicts(tmp_path):
     assert "156 updates per worker at N = 16" in text and "the 30 runs" in text
     assert "- post_local vs constant at equal bytes: **worse**" in text
     assert "the 16 or 32 workers are threads of one process" in text and "oversubscribed" in text
-    assert text.endswith("the same bytes spent evenly do as well.")
+    assert text.endswith("the same bytes spent evenly do as well. No schedule did better than "
+                         "constant K for the same bytes here.")
     assert ("verdicts against constant K: at equal K0, 2 better, 2 unresolved; at equal bytes, "
             "2 unresolved, 2 worse.") in text
 
@@ -186,3 +187,10 @@ def test_the_figure_is_written_and_linked_from_the_section(tmp_path):
     lines = schedules.section(_runs(16), tmp_path / "none.toml", path, tmp_path / "R.md")
     assert f"](docs/{schedules.FIGURE})" in "\n".join(lines)
     assert not any("![" in line for line in schedules.section(_runs(16), tmp_path / "none.toml"))
+
+
+def test_the_reading_names_a_schedule_that_beats_constant_k_for_the_same_bytes():
+    runs = [r for r in _runs() if r.name.split("-")[1] != "k7"]
+    runs += [_run("constant", s, 0.47 + 0.01 * s, 22, k=7) for s in (0, 1, 2)]
+    text = schedules.reading({16: {r.name: r for r in runs}})
+    assert text.endswith("Better than constant K for the same bytes: adacomm at 16 workers.")

@@ -32,7 +32,7 @@ from labavg.base.errors import UserError
 from labavg.studies.reproduction.beyond import compare
 from labavg.studies.reproduction.figures import save_png
 from labavg.studies.reproduction.results import Run, stat
-from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, num
+from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, num, words
 
 CONSTANT = "constant"
 FIGURE = "schedules-vs-constant.png"  # beside the report's other figures
@@ -222,17 +222,22 @@ def verdicts(runs: dict[str, Run]) -> list[tuple[str, str, str]]:
 def reading(by_ranks: dict[int, dict[str, Run]]) -> str:
     """The honest reading: how many verdicts at each comparison said what."""
     counts: dict[str, dict[str, int]] = {"at equal K0": {}, "at equal bytes": {}}
-    for runs in by_ranks.values():
-        for _, what, text in verdicts(runs):
+    winners = []  # better than constant K for the same bytes
+    for ranks, runs in by_ranks.items():
+        for arm, what, text in verdicts(runs):
             word = text.split("**")[1].split(":")[0]
             counts[what][word] = counts[what].get(word, 0) + 1
+            if what == "at equal bytes" and word == "better":
+                winners.append(f"{arm} at {ranks} workers")
     said = [f"{what}, " + ", ".join(f"{n} {w}" for w, n in sorted(c.items()))
             for what, c in counts.items() if c]
     if not said:
         return "No schedule has its references trained yet."
+    bytes_ = (f"Better than constant K for the same bytes: {words(winners)}." if winners else
+              "No schedule did better than constant K for the same bytes here.")
     return ("Of the schedules' verdicts against constant K: " + "; ".join(said) + ". A schedule "
             "sends more rounds than constant K0, so a gain at equal K0 may only be the bytes; "
-            "the equal-bytes row asks whether the same bytes spent evenly do as well.")
+            "the equal-bytes row asks whether the same bytes spent evenly do as well. " + bytes_)
 
 
 def section(runs: list[Run], sweep_file: Path, figure_path: Path | None = None,
