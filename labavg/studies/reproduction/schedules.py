@@ -31,7 +31,8 @@ from typing import Any
 from labavg.base.errors import UserError
 from labavg.studies.reproduction.beyond import compare
 from labavg.studies.reproduction.figures import save_png
-from labavg.studies.reproduction.results import Run, stat
+from labavg.studies.reproduction.results import Run, paired, stat
+from labavg.studies.reproduction.verdicts import spread
 from labavg.studies.reproduction.tables import interval, markdown_table, mean_sd, num, words
 
 CONSTANT = "constant"
@@ -222,20 +223,25 @@ def verdicts(runs: dict[str, Run]) -> list[tuple[str, str, str]]:
 def reading(by_ranks: dict[int, dict[str, Run]]) -> str:
     """The honest reading: how many verdicts at each comparison said what."""
     counts: dict[str, dict[str, int]] = {"at equal K0": {}, "at equal bytes": {}}
-    winners = []  # better than constant K for the same bytes
+    winners, largest = [], 0.0  # better than constant K for the same bytes; the largest |mean|
     for ranks, runs in by_ranks.items():
         for arm, what, text in verdicts(runs):
             word = text.split("**")[1].split(":")[0]
             counts[what][word] = counts[what].get(word, 0) + 1
             if what == "at equal bytes" and word == "better":
                 winners.append(f"{arm} at {ranks} workers")
+        for arm in _schedules(runs):
+            for ref in (_arm(runs, CONSTANT), equal_bytes(runs, arm)):
+                diff = compare(_arm(runs, arm), ref, "cv_acc_pct")[0]
+                largest = max(largest, abs(diff.mean) if diff is not None else 0.0)
     said = [f"{what}, " + ", ".join(f"{n} {w}" for w, n in sorted(c.items()))
             for what, c in counts.items() if c]
     if not said:
         return "No schedule has its references trained yet."
     bytes_ = (f"Better than constant K for the same bytes: {words(winners)}." if winners else
               "No schedule did better than constant K for the same bytes here.")
-    return ("Of the schedules' verdicts against constant K: " + "; ".join(said) + ". A schedule "
+    return ("Of the schedules' verdicts against constant K: " + "; ".join(said) + " (no mean "
+            f"difference larger than {largest:.2f} points). A schedule "
             "sends more rounds than constant K0, so a gain at equal K0 may only be the bytes; "
             "the equal-bytes row asks whether the same bytes spent evenly do as well. " + bytes_)
 
@@ -281,8 +287,9 @@ def section(runs: list[Run], sweep_file: Path, figure_path: Path | None = None,
     if figure_path is not None and report is not None and figure_path.is_file():
         rel = os.path.relpath(figure_path.resolve(), report.resolve().parent)
         out += [f"![CV frame accuracy against bytes sent, schedules and constant K]({rel})", "",
-                "The figure's bars are the spread over seeds, most of it shared by every arm of "
-                "a seed; the verdicts pair the seeds.", ""]
+                "The figure pairs the seeds as the verdicts do: each arm's CV frame accuracy "
+                "minus that of the same seed's constant K0 run, the bars the sd of those "
+                "differences over the seeds.", ""]
     for ranks, group in by_ranks.items():
         out += [f"### {ranks} workers", "", *table(group), ""]
         out += [f"- {arm} vs constant {what}: {text}" for arm, what, text in verdicts(group)]
@@ -315,9 +322,10 @@ _COLORS = {"post_local": "#1f77b4", "adacomm": "#2ca02c"}
 
 
 def figure(runs: list[Run], path: Path) -> Path:
-    """CV frame accuracy against MB sent per worker, a panel per N: the constant runs (K0 and
-    each K_eq) as a line over their bytes, each schedule as a point (mean ± sd over seeds).
-    A schedule above the line does better than constant K at its bytes."""
+    """CV frame accuracy against MB sent per worker, a panel per N, paired by seed: each arm's
+    accuracy minus the same seed's constant K0 run (mean ± sd of the differences); the constant
+    runs (K0 and each K_eq) as a line over their bytes, each schedule as a point. A schedule
+    above the line does better than constant K for its bytes."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, whatever backend a notebook chose
@@ -328,30 +336,34 @@ def figure(runs: list[Run], path: Path) -> Path:
                              squeeze=False)
     for ax, ranks in zip(axes[0], workers):
         by_name = _by_name(runs, ranks)
-        constant = {}  # K: runs by seed
+        reference = _arm(by_name, CONSTANT)
+
+        def point(cell: dict[int, Run]):
+            return (_mean(cell, lambda r: (r.summary.bytes_sent or 0) / 1e6 or None),
+                    spread(paired(reference, cell, "cv_acc_pct")))
+
+        constant: dict[int, dict[int, Run]] = {}  # K: runs by seed
         for name, run in by_name.items():
-            arm, k, _, seed = parse_name(name)
-            if arm == CONSTANT:
-                constant.setdefault(run.get("averaging.average_every"), {})[seed] = run
-        line = sorted((_mean(c, lambda r: (r.summary.bytes_sent or 0) / 1e6 or None),
-                       stat(c, "cv_acc_pct"), k) for k, c in constant.items())
+            if parse_name(name)[0] == CONSTANT:
+                constant.setdefault(run.get("averaging.average_every"), {})[run.seed] = run
+        line = sorted((*point(cell), k) for k, cell in constant.items())
         line = [p for p in line if p[0] is not None and p[1] is not None]
         ax.errorbar([p[0] for p in line], [p[1].mean for p in line],
                     yerr=[p[1].sd for p in line], color="#d62728", marker="o", capsize=3,
                     label="constant K")
-        for mb, acc, k in line:
-            ax.annotate(f"K={k}", (mb, acc.mean), textcoords="offset points", xytext=(5, -12),
+        for mb, diff, k in line:
+            ax.annotate(f"K={k}", (mb, diff.mean), textcoords="offset points", xytext=(5, -12),
                         fontsize=8, color="#d62728")
         for arm in _schedules(by_name):
-            cell = _arm(by_name, arm)
-            mb, acc = _mean(cell, lambda r: (r.summary.bytes_sent or 0) / 1e6 or None), \
-                stat(cell, "cv_acc_pct")
-            if mb is not None and acc is not None:
-                ax.errorbar([mb], [acc.mean], yerr=[acc.sd], marker="s", capsize=3,
+            mb, diff = point(_arm(by_name, arm))
+            if mb is not None and diff is not None:
+                ax.errorbar([mb], [diff.mean], yerr=[diff.sd], marker="s", capsize=3,
                             linestyle="none", color=_COLORS.get(arm, "black"), label=arm)
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.margins(x=0.1)  # room for the last K label
         ax.set_title(f"{ranks} workers")
         ax.set_xlabel("MB sent per worker, whole run")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
-    axes[0][0].set_ylabel("CV frame accuracy (%), mean ± sd over seeds")
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0][0].set_ylabel("CV frame accuracy minus constant K0's,\nsame seed (points, mean ± sd)")
     return save_png(fig, path)
