@@ -82,7 +82,7 @@ def figure_of(plot: LivePlot, ranks: int, maxlen: int) -> Any:
     curves = StepCurves if plot.draw == STEPS else StreamedCurves
     figure = curves(plot.x, curves_of(plot, ranks), maxlen, plot.title_for(ranks), plot.xlabel,
                     plot.ylabel, legend, plot.legend or "top_right", **count_axis())
-    if plot.draw == WORKERS:
+    if plot.draw in (WORKERS, STEPS):  # N and K: whole numbers, from 0
         counts(figure.element)
     return figure
 

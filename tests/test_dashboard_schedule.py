@@ -71,8 +71,8 @@ def test_the_k_plot_is_shown_only_for_a_run_whose_k_changes():
     assert scheduled.flex.objects[1] is scheduled.panes["k"]  # beside the loss
     assert len(scheduled.flex.objects) == 7
     figure = scheduled.figures["k"].element
-    assert figure.title.text == "Averaging interval K (schedule)"
-    assert figure.yaxis[0].axis_label == "K (minibatches to the next round)"
+    assert figure.title.text == "Averaging interval K"
+    assert figure.yaxis[0].axis_label == "K (minibatches)"
     assert not figure.legend  # one curve: no legend
     # The page's run changes kind: the K plot comes and goes with it, built once.
     live = _live(_config())

@@ -54,7 +54,7 @@ def test_a_schedule_chosen_in_the_sidebar_trains_and_its_k_is_plotted(page, serv
     _, runs = served
     # No run on screen is a run of constant K: no K plot on the page.
     assert page.evaluate(K_POINTS_JS) == []
-    assert "Averaging interval K (schedule)" not in page.evaluate(TITLES_JS)
+    assert "Averaging interval K" not in page.evaluate(TITLES_JS)
     schedule = page.get_by_label("K schedule", exact=True)
     frames = page.get_by_label("post-local frames", exact=True)
     assert frames.is_disabled()  # used by post_local only
@@ -92,7 +92,7 @@ def test_a_schedule_chosen_in_the_sidebar_trains_and_its_k_is_plotted(page, serv
     points = wait_for(drawn, 60, "every round in the K plot")
     assert set(rounds) <= {(x, k) for x, k in points}
     assert len({k for _, k in points}) >= 2 and 0 not in {k for _, k in points}
-    assert "Averaging interval K (schedule)" in page.evaluate(TITLES_JS)
+    assert "Averaging interval K" in page.evaluate(TITLES_JS)
     on_screen = page.get_by_text("On screen:").first.inner_text()
     assert "K=12 (adacomm)" in on_screen, on_screen
     page.mouse.move(0, 0)
