@@ -132,10 +132,7 @@ class Cluster:
         """
         import ipyparallel as ipp
 
-        try:
-            ipp_cluster = ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, **kw)
-        except FileNotFoundError:
-            ipp_cluster = None
+        ipp_cluster = _cluster_file(profile, cluster_id, timeout, kw)
         if ipp_cluster is not None:
             if "mpi_cmd" not in ipp_cluster.config.MPIEngineSetLauncher:
                 # a restart from here starts engines the way Cluster.start does
@@ -354,3 +351,32 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _cluster_file(profile: str, cluster_id: str, timeout: float, kw: dict[str, Any]) -> Any:
+    """The ipyparallel Cluster of `profile` / `cluster_id`'s cluster file, None when there is
+    none. ipcluster creates the file before it writes it: attached at that moment (a notebook
+    started as the job came up; once in a CI run) it reads empty, so an unreadable file is
+    read again until `timeout` before it is refused."""
+    import json
+
+    import ipyparallel as ipp
+
+    found: list[Any] = []
+    failure: list[str] = []
+
+    def read() -> bool:
+        try:
+            found[:] = [ipp.Cluster.from_file(profile=profile, cluster_id=cluster_id, **kw)]
+        except FileNotFoundError:
+            found[:] = [None]
+        except json.JSONDecodeError as exc:
+            failure[:] = [str(exc)]
+            return False
+        return True
+
+    if not wait_until(read, timeout, 0.2):
+        path = ipp.Cluster(profile=profile, cluster_id=cluster_id, **kw).cluster_file
+        raise UserError(f"{path}: the ipyparallel cluster file is not JSON after {timeout:g} s "
+                        f"({failure[0]})")
+    return found[0]
