@@ -94,6 +94,7 @@ def test_adacomm_k_follows_the_pooled_block_loss(corpus, tmp_path):
     assert len({r["average_every"] for r in rounds}) >= 3, "K shortened as the loss fell"
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("schedule, method", [("adacomm", "model"), ("post_local", "bmuf")])
 def test_a_stopped_and_resumed_schedule_matches_the_uninterrupted_run(corpus, tmp_path,
                                                                        schedule, method):

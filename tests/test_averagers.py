@@ -369,6 +369,7 @@ def test_plain_settings_train_the_same_model_on_torchrun_ranks(corpus, tmp_path)
     assert torch.equal(models["bmuf"], models["model"])
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("method, table", [
     ("bmuf", BMUFConfig(momentum=0.5)),
     ("diloco", DiLoCoConfig()),

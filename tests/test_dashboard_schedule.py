@@ -194,6 +194,7 @@ def test_a_reload_shows_the_scheduled_runs_boxes(corpus, tmp_path):
     assert "averaging.schedule" not in settings.overrides
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("schedule", ["adacomm", "post_local"])
 def test_a_scheduled_run_from_the_settings_draws_its_k(corpus, tmp_path, schedule):
     """A real 2-rank run (a job process) started from the settings: its rank 0's rounds are the

@@ -96,6 +96,7 @@ def _decode_dir(run: Path, refs, hyps, acwt=0.1, keys=None):
                                                                "acwt_from": "dev"})
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_compare_decodes_reads_each_run_at_its_reported_scale(tmp_path):
     refs, hyps_a = _task()
     hyps_b = [list(h) for h in hyps_a]

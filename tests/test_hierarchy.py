@@ -232,6 +232,7 @@ def _until_checkpoint(cfg: TrainConfig, step: int) -> None:
     events.close()
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_bmuf_run_resumed_after_a_node_round_matches_uninterrupted(corpus, tmp_path):
     # K = 3, K2 = 9, a checkpoint every 2 rounds: the first is at step 6, after a node round.
     changes = {"averaging.method": "bmuf", "averaging.bmuf.momentum": 0.5, **_hierarchy(9, 2)}
@@ -270,6 +271,7 @@ def test_events_and_summary_count_each_scope(corpus, tmp_path):
     assert (summary.hierarchy_every, summary.node_ranks) == (6, 2)
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_a_lossy_payload_goes_across_nodes_and_node_rounds_send_fp32(corpus, tmp_path):
     from labavg.averaging.payload import payload_bytes
 

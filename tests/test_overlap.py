@@ -294,6 +294,7 @@ def test_overlap_averager_describes_its_fragments():
     assert (info.hierarchy_every, info.node_ranks) == (0, 0)
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("overlap, fragments", [("eager", 1), ("streaming", 3)])
 def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, tmp_path,
                                                                         overlap, fragments):
@@ -321,6 +322,7 @@ def test_overlapped_training_is_close_to_blocking_and_counts_true_bytes(corpus, 
     assert summary.comm_wait_seconds <= summary.comm_seconds
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("overlap, method", [("eager", "model"), ("streaming", "bmuf")])
 def test_stopped_and_resumed_overlap_run_matches_uninterrupted(corpus, tmp_path, overlap, method):
     changes = {"averaging.overlap": overlap, "averaging.method": method,

@@ -296,6 +296,7 @@ def _same_bits_as_inproc(ranks: list[dict[str, np.ndarray]], size: int) -> None:
             np.testing.assert_array_equal(ranks[0][name], inproc[0][name], err_msg=name)
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("size", [2, 3])
 def test_script_rounds_on_mpich_give_the_inproc_bits(size, tmp_path):
     _launch(mpiexec_command(size, [str(SCRIPT), "mpi", str(tmp_path)]))
@@ -359,6 +360,7 @@ def test_every_payload_trains_to_the_fp32_accuracy(corpus, tmp_path):
     assert fp32.bytes_per_round == 4 * n
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_stopped_and_resumed_int4_run_matches_uninterrupted(corpus, tmp_path):
     changes = {"averaging.method": "bmuf", "averaging.payload": "int",
                "averaging.payload_bits": 4}

@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
 # Headroom over the child's own address space after imports: far more than any of
@@ -255,6 +257,7 @@ def run_child(repo: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_mutated_real_archives_raise_only_one_line_data_errors(shared_data):
     summary = run_child(REPO)
     assert summary["bad"] == [], (len(summary["bad"]), summary["bad"][:20])

@@ -173,6 +173,7 @@ def test_the_watchdog_ends_a_receive_that_never_comes():
 # --- real MPICH ranks and torchrun (gloo) ranks -----------------------------------------------
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 @pytest.mark.parametrize("size", [2, 3])
 def test_algorithms_equal_allreduce_to_rounding_on_mpich(size, tmp_path):
     _launch(mpiexec_command(size, [str(SCRIPT), "mpi", str(tmp_path)]))
@@ -366,6 +367,7 @@ def _train(corpus, out, reduce=None):
     return summary, [final_params(out, rank) for rank in range(3)]
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_ring_and_butterfly_train_like_allreduce_on_3_inproc_ranks(corpus, tmp_path):
     plain, plain_params = _train(corpus, tmp_path / "allreduce")
     ring, ring_params = _train(corpus, tmp_path / "ring", reduce="ring")

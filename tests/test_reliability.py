@@ -434,6 +434,7 @@ def test_torchrun_says_a_cv_data_error_once(poisoned_corpus, tmp_path):
     assert mine[0].startswith("labavg: error: ") and victim in mine[0] and "NaN" in mine[0]
 
 
+@pytest.mark.slow  # keeps README's fast command under 10 minutes; CI runs it
 def test_inproc_hang_is_ended_by_the_watchdog(corpus, tmp_path):
     """The dashboard's in-process workers: a hung thread breaks the group instead of the class."""
     from labavg.comm.inproc import RankFailed

@@ -44,6 +44,12 @@ def test_every_flag_sets_its_setting_and_shows_its_help():
     assert cfg.data.skip_mismatched is False  # a switch not given changes nothing
 
 
+# A choice that needs another setting set with it.
+NEEDS = {("averaging.schedule", "post_local"): {"averaging.post_local_frames": 1000}}
+# A box the form greys out unless another box has this value.
+ACTIVE_WITH = {"post_local_frames": {"average_schedule": "post_local"}}
+
+
 def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
     from dashboard.settings import CONTROLS, RunSettings
 
@@ -59,12 +65,14 @@ def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
         if rule is not None and rule.choices:
             assert list(parameter.objects) == list(rule.choices), name
             for choice in rule.choices:  # each one the form offers, validate takes
-                validate(with_overrides(TrainConfig(), {key: choice}))
+                # (post_local with the frames box it needs: 0 frames is refused under that box)
+                validate(with_overrides(TrainConfig(), {key: choice, **NEEDS.get((key, choice), {})}))
             with pytest.raises(UserError):
                 validate(with_overrides(TrainConfig(), {key: "no-such-" + name}))
         elif rule is not None and rule.low is not None:
             # Below the bound, the form keeps the value and says what validate would say.
             low = rule.low - 1 if isinstance(field.default, int) else rule.low - 0.5
+            settings.param.update(ACTIVE_WITH.get(name, {}))  # a greyed-out box says nothing
             setattr(settings, name, low)
             with pytest.raises(UserError) as info:
                 validate(with_overrides(TrainConfig(), {key: low}))
@@ -73,6 +81,7 @@ def test_dashboard_controls_offer_what_validation_accepts(tmp_path):
             assert settings.errors[name] == settings.in_words(str(info.value)), name
             assert settings.errors[name].startswith(settings.label(name)), name
             setattr(settings, name, field.default)
+            settings.param.update({k: settings.param[k].default for k in ACTIVE_WITH.get(name, {})})
             assert name not in settings.errors, name
     settings.hidden_layers = -1
     assert settings.errors["hidden_layers"] == "hidden layers must be >= 0; got -1"

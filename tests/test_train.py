@@ -274,8 +274,13 @@ class _MeanEveryOtherStep:
     """Implements labavg.averaging.interface.RoundAverager and nothing more: a plain mean every
     2nd minibatch and at epoch ends, whose stats claim node and overlap figures."""
 
+    average_every = 2
+
     def __init__(self, comm):
-        self.comm, self.scopes = comm, []
+        self.comm, self.scopes, self.frames = comm, [], 0
+
+    def observe(self, loss_sum, frames):
+        self.frames += frames
 
     def due(self, step, end_of_epoch):
         return "toy" if step % 2 == 0 or end_of_epoch else None
@@ -322,7 +327,9 @@ def test_a_minimal_averager_drives_train_rank(corpus, tmp_path):
         assert {e.scope for e in rounds} == {"toy"} and averagers[rank].scopes == ["toy"] * len(
             expected)
         assert all(e.wait_seconds == 0.25 and e.in_flight_seconds == 1.5 for e in rounds)
+        assert {e.average_every for e in rounds} == {2}  # the K it says it keeps
         finished = events[-1]
+        assert averagers[rank].frames == finished.frames_trained // cfg.ranks  # observed each
         n = len(expected)
         assert (finished.averaging_rounds, finished.node_rounds) == (n, n)
         assert finished.node_bytes_sent == finished.bytes_sent > 0
