@@ -73,17 +73,12 @@ class ScheduledAverager:
         self.inner, self.schedule = inner, schedule
         self.frames_per_step, self.warmup_frames = frames_per_step, warmup_frames
         self.k0 = inner.average_every
-        self.method, self.reduce, self.comm = inner.method, inner.reduce, inner.comm
-        self.payload, self.bits = inner.payload, inner.bits
+        self.comm = inner.comm
         self.average_every = self._k_after(0)  # K in force: the minibatches to the next round
         self.next_step = self.average_every
         self.loss0: float | None = None
         self._due_step = 0
         self._block = torch.zeros(2, dtype=torch.float64)  # loss sum, frames since the round
-
-    @property
-    def global_model(self) -> torch.Tensor | None:
-        return self.inner.global_model
 
     def observe(self, loss_sum: float, frames: int) -> None:
         """The minibatch just trained: its summed loss over `frames` frames."""
@@ -121,9 +116,6 @@ class ScheduledAverager:
         if self.loss0 is None:
             self.loss0 = loss
         return adacomm_k(self.k0, loss, self.loss0)
-
-    def bytes_per_round(self, flat: torch.Tensor) -> int:
-        return self.inner.bytes_per_round(flat)
 
     def describe(self, flat: torch.Tensor) -> AveragerInfo:
         return self.inner.describe(flat)
