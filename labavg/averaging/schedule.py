@@ -78,12 +78,13 @@ class ScheduledAverager:
         self.next_step = self.average_every
         self.loss0: float | None = None
         self._due_step = 0
-        self._block = torch.zeros(2, dtype=torch.float64)  # loss sum, frames since the round
+        # Since the last round; plain numbers, so a minibatch costs no tensor op.
+        self._loss_sum, self._frames = 0.0, 0
 
     def observe(self, loss_sum: float, frames: int) -> None:
         """The minibatch just trained: its summed loss over `frames` frames."""
-        self._block[0] += loss_sum
-        self._block[1] += frames
+        self._loss_sum += loss_sum
+        self._frames += frames
 
     def due(self, step: int, end_of_epoch: bool) -> str | None:
         """ALL once K minibatches have passed since the last round, and at every epoch end."""
@@ -105,8 +106,8 @@ class ScheduledAverager:
             return post_local_k(self.k0, step * self.frames_per_step, self.warmup_frames)
         if step == 0:
             return self.k0
-        block = self._block.clone()
-        self._block.zero_()
+        block = torch.tensor([self._loss_sum, self._frames], dtype=torch.float64)
+        self._loss_sum, self._frames = 0.0, 0
         if self.comm.size > 1:
             self.comm.allreduce_mean(block)  # the mean of sums: its ratio is the pooled loss
         loss, frames = block.tolist()
